@@ -1,0 +1,65 @@
+"""Engine configuration: one frozen dataclass, validated when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8", "int4")
+
+
+def _positive(name: str, value: int | None, allow_none: bool = True) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the user asked for. Values left as None are resolved by the engine from the model.
+
+    kv_cache_memory: bytes for the paged KV cache. When None, the cache holds
+    max_num_seqs x max_model_len tokens, capped at a fraction of free memory.
+    """
+
+    model: str
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: int | None = None
+    kv_cache_dtype: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty path or name, got {self.model!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
+            )
+        _positive("max_model_len", self.max_model_len)
+        _positive("max_num_seqs", self.max_num_seqs, allow_none=False)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("block_size", self.block_size, allow_none=False)
+        _positive("kv_cache_memory", self.kv_cache_memory)
+        _positive("num_threads", self.num_threads)
+        if self.block_size > 1024:
+            raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens is not None and (
+            self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len
+        ):
+            raise ValueError(
+                "without chunked prefill, max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )

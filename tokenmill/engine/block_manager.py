@@ -1,0 +1,168 @@
+"""Paged KV blocks: reference counts, prefix caching by chained block hashes, LRU eviction.
+
+Pure Python (no torch), so it can be reasoned about and property-tested on its own. A block is a
+fixed number of token slots in the KV cache. A full, computed block is registered under the hash
+of (parent block hash, its token ids), so any sequence whose prefix has the same tokens reuses it.
+Free blocks wait in one LRU queue: never-cached blocks at the front (used first), cached blocks at
+the back in the order they were freed, so the least recently used cached block is evicted first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from tokenmill.engine.sequence import Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "block_hash")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.block_hash: int | None = None
+
+
+def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
+    """Chained hash of a full block: equal hashes mean equal token prefixes (up to 64-bit hash
+    collisions of Python's tuple hash, which is deterministic for ints)."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self.num_queried_tokens = 0  # prefix-cache statistics, in tokens
+        self.num_hit_tokens = 0
+
+    # ---- accounting -------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by sequences (cached-but-free blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache -----------------------------------------------------------------------
+    def lookup_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of the longest cached prefix of seq. The last token is never served from
+        the cache: its logits are needed to sample. Requests asking for prompt logprobs compute
+        every prompt position, so they skip the cache."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        parent = None
+        for i in range((seq.num_tokens - 1) // bs):
+            parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            block_id = self._cached.get(parent)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queried_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    # ---- allocation -------------------------------------------------------------------------
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> int:
+        """Free blocks that allocate(seq, num_new_tokens, hits) would consume."""
+        total = seq.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
+        fresh = self.blocks_for_tokens(total) - len(seq.block_table) - len(hits)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return max(fresh, 0) + revived
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens, hits) <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> None:
+        """Grow seq's block table to hold num_new_tokens more tokens. Cache hits (only for a
+        sequence with no blocks yet) become its first blocks and count as computed."""
+        if not self.can_allocate(seq, num_new_tokens, hits):
+            raise RuntimeError("allocate() called without enough free blocks")
+        if hits:
+            assert not seq.block_table and seq.num_computed_tokens == 0
+            for block_id in hits:
+                self._take(block_id)
+            seq.block_table = list(hits)
+            seq.block_hashes = [self.blocks[b].block_hash for b in hits]
+            seq.num_computed_tokens = len(hits) * self.block_size
+        total = seq.num_computed_tokens + num_new_tokens
+        while len(seq.block_table) < self.blocks_for_tokens(total):
+            seq.block_table.append(self._pop_free())
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the full blocks seq has computed so far, so later sequences can reuse them."""
+        bs = self.block_size
+        while len(seq.block_hashes) < seq.num_computed_tokens // bs:
+            i = len(seq.block_hashes)
+            parent = seq.block_hashes[-1] if i else None
+            block_hash = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            seq.block_hashes.append(block_hash)
+            block = self.blocks[seq.block_table[i]]
+            if self.enable_prefix_caching and block.block_hash is None:
+                if block_hash not in self._cached:
+                    block.block_hash = block_hash
+                    self._cached[block_hash] = block.block_id
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give child the parent's full prompt blocks (shared, ref-counted). The child recomputes
+        the partial last block itself, so no block is ever written by two sequences."""
+        assert not child.block_table
+        num_full = min(parent.num_computed_tokens, parent.num_prompt_tokens) // self.block_size
+        for block_id in parent.block_table[:num_full]:
+            self._take(block_id)
+        child.block_table = parent.block_table[:num_full]
+        child.block_hashes = parent.block_hashes[:num_full]
+        child.num_computed_tokens = num_full * self.block_size
+
+    def free(self, seq: Sequence) -> None:
+        """Release all of seq's blocks (finish, abort or preemption). Tail blocks are released
+        first so that, among equally old cached blocks, a prompt's head outlives its tail."""
+        for block_id in reversed(seq.block_table):
+            self._release(block_id)
+        seq.block_table = []
+        seq.block_hashes = []
+
+    # ---- internals --------------------------------------------------------------------------
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def _pop_free(self) -> int:
+        block_id, _ = self._free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict it from the prefix cache
+            if self._cached.get(block.block_hash) == block_id:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of KV block {block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self._free[block_id] = None
+            if block.block_hash is None:
+                self._free.move_to_end(block_id, last=False)

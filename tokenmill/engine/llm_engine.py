@@ -1,0 +1,211 @@
+"""LLMEngine: add_request / step / abort_request. One step = schedule, run the model, append
+sampled tokens, check stops, free finished sequences, and report RequestOutputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.cache_config import plan_kv_cache, resolve_device
+from tokenmill.engine.model_runner import ModelRunner
+from tokenmill.engine.request import Request
+from tokenmill.engine.scheduler import Scheduler
+from tokenmill.engine.sequence import Sequence
+from tokenmill.loaders import load_model
+from tokenmill.loaders.resolve import load_tokenizer, resolve_model
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.device = resolve_device(config.device)
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        path = resolve_model(config.model)
+        model, self.model_config, self.dtype = load_model(
+            path, config.dtype, self.device, config.max_model_len
+        )
+        self.tokenizer = load_tokenizer(config.tokenizer or path, self.model_config)
+        plan = plan_kv_cache(config, self.model_config, self.dtype, self.device)
+        self.config = config = replace(
+            config, max_model_len=plan.max_model_len,
+            max_num_batched_tokens=plan.max_num_batched_tokens,
+        )
+        self.kv_plan = plan
+        logger.info(plan.describe())
+        self.eos_token_ids = list(
+            self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
+        )
+        self.block_manager = BlockManager(
+            plan.num_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            config.enable_chunked_prefill,
+        )
+        self.runner = ModelRunner(
+            model, self.model_config, plan.num_blocks, config.block_size, plan.kv_dtype,
+            self.device, config.seed, self.eos_token_ids,
+        )
+        self.requests: dict[str, Request] = {}
+        self._counter = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+    def tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        """A string, {"prompt_token_ids": [...]}, or {"prompt": "..."} -> (text, token ids)."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, "
+                             f"got {type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
+        return prompt, self.tokenizer.encode(prompt)
+
+    def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        params = params or SamplingParams()
+        text, ids = self.tokenize(prompt)
+        self._validate_prompt(ids)
+        if request_id is None:
+            request_id = f"req-{self._counter}"
+            self._counter += 1
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs ({self.config.max_num_seqs}), "
+                             f"got {params.n}")
+        req = Request(request_id, text, ids, params, self.tokenizer, self.eos_token_ids,
+                      self.config.max_model_len, arrival_time or time.perf_counter())
+        self.requests[request_id] = req
+        self.scheduler.add(req.parent)
+        return request_id
+
+    def _validate_prompt(self, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}")
+        if len(ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens but max_model_len is {self.config.max_model_len}; "
+                "the prompt must leave room for at least one generated token"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, "abort")
+        req.pending_children = []
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched.scheduled:
+            return []
+        now = time.perf_counter()
+        rows, targets = self._sample_plan(sched.scheduled, now)
+        result = self.runner.execute(sched.scheduled, rows, targets)
+        now = time.perf_counter()
+        for seq, n in sched.scheduled:
+            seq.num_computed_tokens += n
+            self.block_manager.commit(seq)
+            entries = result.prompt_logprobs.get(seq.seq_id)
+            if entries:
+                if not seq.prompt_logprobs:
+                    seq.prompt_logprobs.append(None)
+                seq.prompt_logprobs += entries
+        touched: dict[str, Request] = {}
+        for seq in targets:
+            req = self.requests[seq.request_id]
+            if seq in req.pending_children:
+                req.pending_children.remove(seq)
+                self.block_manager.fork(req.parent, seq)
+                self.scheduler.add_running(seq)
+        for seq, token, logprobs in zip(targets, result.token_ids, result.logprobs):
+            req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
+            reason = req.append_token(seq, token, logprobs)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                req.on_finish(seq)
+        outputs = []
+        for req in touched.values():
+            m = req.metrics
+            m.first_token_time = m.first_token_time or now
+            m.token_times.append(now)
+            if req.finished:
+                m.finished_time = now
+                del self.requests[req.request_id]
+            outputs.append(req.output())
+        return outputs
+
+    def _sample_plan(self, scheduled, now) -> tuple[list[int], list[Sequence]]:
+        """Which scheduled entries sample a token this step, and for which sequences."""
+        rows, targets = [], []
+        for i, (seq, n) in enumerate(scheduled):
+            req = self.requests[seq.request_id]
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = now
+                req.metrics.num_cached_tokens = seq.num_cached_tokens
+            if seq.num_computed_tokens + n < seq.num_tokens:
+                continue  # a prompt chunk that is not the last one
+            rows.append(i)
+            targets.append(seq)
+            if seq is req.parent and req.pending_children:
+                rows += [i] * len(req.pending_children)
+                targets += req.pending_children
+        return rows, targets
+
+    @torch.inference_mode()
+    def compute_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Logits (tokens, vocab) at every position of token_ids, computed through the paged
+        KV cache in chunks (for scoring, perplexity and tests). Blocks are freed afterwards."""
+        self._validate_prompt(token_ids[:-1] or token_ids)
+        seq = Sequence(token_ids, SamplingParams(max_tokens=1))
+        chunk = chunk_size or self.config.max_num_batched_tokens
+        logits = []
+        try:
+            while seq.num_computed_tokens < seq.num_tokens:
+                n = min(chunk, seq.num_uncomputed_tokens)
+                if not self.block_manager.can_allocate(seq, n):
+                    raise RuntimeError("not enough free KV blocks to score this sequence")
+                self.block_manager.allocate(seq, n)
+                input_ids, positions, ctx, _ = self.runner.prepare([(seq, n)])
+                hidden = self.runner.model(input_ids, positions, ctx)
+                logits.append(self.runner.model.compute_logits(hidden))
+                seq.num_computed_tokens += n
+        finally:
+            self.block_manager.free(seq)
+        return torch.cat(logits)
+
+    # ---- introspection ----------------------------------------------------------------------
+    def stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": bm.usage,
+            "num_free_blocks": bm.num_free_blocks,
+            "num_blocks": bm.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_queries": bm.num_queried_tokens,
+            "prefix_cache_hits": bm.num_hit_tokens,
+        }

@@ -1,0 +1,129 @@
+"""ModelRunner: owns the model and the paged KV cache; turns a scheduled step into tensors,
+runs the forward pass and samples.
+
+Tokens of a step are packed decode-first: sequences computing exactly one token form the
+decode batch, then each multi-token (prefill) chunk follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tokenmill.engine.sequence import Sequence
+from tokenmill.layers.attention import AttentionContext, PrefillChunk
+from tokenmill.layers.kv_cache import KVCache
+from tokenmill.layers.sampler import Sampler, top_logprobs
+from tokenmill.models.config import ModelConfig
+
+
+@dataclass
+class StepResult:
+    token_ids: list[int]  # one per sampled sequence, in the order asked
+    logprobs: list  # per sampled sequence: dict[token id, Logprob] or None
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> new entries
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: torch.device,
+        seed: int = 0,
+        eos_ids: list[int] = (),
+    ) -> None:
+        self.model = model
+        self.config = model_config
+        self.device = device
+        self.block_size = block_size
+        self.kv_cache = KVCache(
+            model_config.num_hidden_layers, num_blocks, block_size,
+            model_config.num_key_value_heads, model_config.head_dim, kv_dtype, device,
+        )
+        self.sampler = Sampler(device, seed, eos_ids)
+
+    def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device)
+
+    def prepare(self, scheduled: list[tuple[Sequence, int]]):
+        """Packed input ids, positions and the AttentionContext; plus, per scheduled entry,
+        the index of its first token in the packed batch."""
+        order = [i for i, (_, n) in enumerate(scheduled) if n == 1]
+        num_decodes = len(order)
+        order += [i for i, (_, n) in enumerate(scheduled) if n != 1]
+        bs = self.block_size
+        ids, positions, slots, starts = [], [], [], [0] * len(scheduled)
+        prefills = []
+        for i in order:
+            seq, n = scheduled[i]
+            first = seq.num_computed_tokens
+            starts[i] = len(ids)
+            ids += seq.token_ids[first : first + n]
+            table = seq.block_table
+            for p in range(first, first + n):
+                slots.append(table[p // bs] * bs + p % bs)
+            positions += range(first, first + n)
+            if n != 1:
+                prefills.append(PrefillChunk(starts[i], starts[i] + n, first, self._tensor(table)))
+        ctx = AttentionContext(self.kv_cache, self._tensor(slots), num_decodes, prefills=prefills)
+        if num_decodes:
+            decodes = [scheduled[i][0] for i in order[:num_decodes]]
+            width = max(len(s.block_table) for s in decodes)
+            ctx.decode_block_tables = self._tensor(
+                [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
+            )
+            ctx.decode_seq_lens = self._tensor([s.num_computed_tokens + 1 for s in decodes])
+        return self._tensor(ids), self._tensor(positions), ctx, starts
+
+    @torch.inference_mode()
+    def execute(
+        self,
+        scheduled: list[tuple[Sequence, int]],
+        sample_rows: list[int],
+        sample_seqs: list[Sequence],
+    ) -> StepResult:
+        """Run one step. sample_rows[j] is the scheduled entry whose last token's logits sample
+        a token for sample_seqs[j] (several entries may share a row: n > 1 forks)."""
+        input_ids, positions, ctx, starts = self.prepare(scheduled)
+        hidden = self.model(input_ids, positions, ctx)  # (tokens, hidden)
+        last = [starts[i] + scheduled[i][1] - 1 for i in sample_rows]
+        plp_rows, plp_plan = self._prompt_logprob_rows(scheduled, starts)
+        rows = sorted(set(last) | set(plp_rows))
+        where = {r: k for k, r in enumerate(rows)}
+        logits = self.model.compute_logits(hidden[self._tensor(rows)]) if rows else None
+        result = StepResult([], [])
+        if sample_seqs:
+            sample_logits = logits[self._tensor([where[r] for r in last])]
+            out = self.sampler(sample_logits, sample_seqs)
+            result.token_ids, result.logprobs = out.token_ids, out.logprobs
+        for seq, positions_, first_row in plp_plan:
+            lp = logits[self._tensor([where[r] for r in positions_])].log_softmax(-1)
+            k = seq.params.prompt_logprobs
+            entries = [top_logprobs(lp[j], k, seq.token_ids[first_row + j + 1])
+                       for j in range(len(positions_))]
+            result.prompt_logprobs[seq.seq_id] = entries
+        return result
+
+    def _prompt_logprob_rows(self, scheduled, starts):
+        """Rows whose logits score the next prompt token, for sequences that want prompt
+        logprobs. A chunk covering positions [c, c+n) scores prompt tokens c+1 .. c+n."""
+        rows, plan = [], []
+        for i, (seq, n) in enumerate(scheduled):
+            if not seq.wants_prompt_logprobs:
+                continue
+            first = seq.num_computed_tokens
+            done = len(seq.prompt_logprobs)  # entries already recorded (0 = none yet)
+            lo = max(first, done - 1 if done else 0)
+            hi = min(first + n, seq.num_prompt_tokens - 1)  # positions whose next token is prompt
+            if hi <= lo:
+                continue
+            positions_ = [starts[i] + p - first for p in range(lo, hi)]
+            rows += positions_
+            plan.append((seq, positions_, lo))
+        return rows, plan

@@ -1,0 +1,125 @@
+"""Scheduler: continuous batching with chunked prefill and preemption by recompute.
+
+Every step has a token budget. Running sequences go first (a decode costs one token, an
+unfinished prompt takes what the budget allows), then waiting sequences are admitted in arrival
+order while budget, max_num_seqs and free KV blocks allow. When a running sequence needs a block
+and none is free, the newest running sequence is preempted: its blocks are freed and it goes
+back to the front of the queue to recompute its tokens later (prefix-cache hits make that cheap).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A forked sequence (n > 1) joins the running batch directly."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_uncomputed_tokens, budget)
+            if self._reserve(seq, n, out.preempted):
+                out.scheduled.append((seq, n))
+                budget -= n
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        return out
+
+    def _reserve(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
+        """Blocks for n more tokens of seq, preempting the newest running sequences if needed.
+        False when seq itself had to be preempted."""
+        while not self.block_manager.can_allocate(seq, n):
+            victim = self.running[-1]
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+        self.block_manager.allocate(seq, n)
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        bm = self.block_manager
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if len(self.running) + seq.group_size > self.max_num_seqs:
+                break
+            hits = bm.lookup_prefix(seq)
+            n = seq.num_tokens - len(hits) * bm.block_size
+            if n > budget and not self.enable_chunked_prefill:
+                break
+            n = min(n, budget)
+            if not bm.can_allocate(seq, n, hits):
+                break
+            bm.allocate(seq, n, hits)
+            bm.record_prefix_query(seq.num_tokens, len(hits) * bm.block_size)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = len(hits) * bm.block_size
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1

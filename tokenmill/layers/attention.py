@@ -1,0 +1,130 @@
+"""Attention over the paged KV cache, in plain PyTorch (CPU and CUDA).
+
+A step packs all scheduled tokens into one flat batch: first the decode tokens (one per
+sequence), then each prefill chunk. New K/V are written to their cache slots; decode tokens
+attend as one padded batch gathered through the block tables; each prefill chunk attends to its
+sequence's history plus itself, causally. Sliding-window layers also mask keys older than the
+window (a query at position i sees keys j with i - window < j <= i, as in transformers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.kv_cache import KVCache
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # token range [start, end) in the packed batch
+    end: int
+    num_computed: int  # tokens of this sequence already in the cache before the chunk
+    block_table: torch.Tensor  # (num_blocks,) int64
+
+    @property
+    def kv_len(self) -> int:
+        return self.num_computed + self.end - self.start
+
+
+@dataclass
+class AttentionContext:
+    """Everything attention needs for one step; built by the model runner, read by every layer."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # (tokens,) cache slot of each new token
+    num_decode_tokens: int = 0
+    decode_block_tables: torch.Tensor | None = None  # (decodes, max_blocks)
+    decode_seq_lens: torch.Tensor | None = None  # (decodes,) kv length including the new token
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """(decodes, 1, 1, kv_len) bool: which gathered slots each decode query may attend."""
+        if window not in self._masks:
+            lens = self.decode_seq_lens[:, None]  # (decodes, 1)
+            width = self.decode_block_tables.shape[1] * self.kv_cache.block_size
+            pos = torch.arange(width, device=lens.device)[None, :]  # (1, kv_len)
+            allowed = pos < lens
+            if window is not None:
+                allowed &= pos >= lens - window
+            self._masks[window] = allowed[:, None, None, :]
+        return self._masks[window]
+
+
+def chunk_mask(
+    num_computed: int, num_new: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """(new, kv_len) bool causal mask of a prefill chunk that starts after num_computed tokens."""
+    q_pos = torch.arange(num_computed, num_computed + num_new, device=device)[:, None]
+    k_pos = torch.arange(num_computed + num_new, device=device)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= k_pos > q_pos - window
+    return allowed
+
+
+class PagedAttention(nn.Module):
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        layer_idx: int,
+        sliding_window: int | None = None,
+        scale: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.scale = scale if scale is not None else head_dim**-0.5
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        # q: (tokens, heads, head_dim); k, v: (tokens, kv_heads, head_dim)
+        ctx.kv_cache.store(self.layer_idx, k, v, ctx.slot_mapping)
+        out = torch.empty_like(q)
+        nd = ctx.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], ctx)
+        for chunk in ctx.prefills:
+            out[chunk.start : chunk.end] = self._prefill(q, k, v, chunk, ctx)
+        return out
+
+    def _sdpa(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
+        gqa = self.num_heads != self.num_kv_heads
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
+        )
+
+    def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        k, v = ctx.kv_cache.gather(self.layer_idx, ctx.decode_block_tables)
+        q = q[:, :, None, :]  # (decodes, heads, 1, head_dim)
+        k = k.transpose(1, 2).to(q.dtype)  # (decodes, kv_heads, kv_len, head_dim)
+        v = v.transpose(1, 2).to(q.dtype)
+        out = self._sdpa(q, k, v, mask=ctx.decode_mask(self.sliding_window))
+        return out[:, :, 0, :]
+
+    def _prefill(self, q, k, v, chunk: PrefillChunk, ctx: AttentionContext) -> torch.Tensor:
+        q = q[chunk.start : chunk.end].transpose(0, 1)  # (heads, new, head_dim)
+        if chunk.num_computed == 0:  # the whole history is this chunk: use fresh K/V directly
+            k = k[chunk.start : chunk.end]
+            v = v[chunk.start : chunk.end]
+        else:
+            k, v = ctx.kv_cache.gather(self.layer_idx, chunk.block_table[None, :])
+            k, v = k[0, : chunk.kv_len].to(q.dtype), v[0, : chunk.kv_len].to(q.dtype)
+        k, v = k.transpose(0, 1), v.transpose(0, 1)  # (kv_heads, kv_len, head_dim)
+        num_new = chunk.end - chunk.start
+        if chunk.num_computed == 0 and (self.sliding_window is None or num_new <= self.sliding_window):
+            out = self._sdpa(q, k, v, causal=True)
+        else:
+            mask = chunk_mask(chunk.num_computed, num_new, self.sliding_window, q.device)
+            out = self._sdpa(q, k, v, mask=mask)
+        return out.transpose(0, 1)  # (new, heads, head_dim)

@@ -1,0 +1,74 @@
+"""Model loaders: Hugging Face folders (config.json + safetensors), GGUF files, llama2.c files.
+
+load_model() looks at what it is given and dispatches; every loader returns the model (weights
+in place, on the target device) and its ModelConfig.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.registry import model_class
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+    """'auto' keeps the checkpoint's float type (float32 when unknown); float16 runs as bfloat16
+    on CPU, where half-precision matmuls are slow."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    dtype = _DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
+    if dtype == torch.float16 and device.type == "cpu":
+        return torch.bfloat16
+    return dtype
+
+
+def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+                max_positions: int) -> nn.Module:
+    """Instantiate the architecture without initializing weights (meta device, then empty)."""
+    cls = model_class(cfg.architecture)
+    with torch.device("meta"):
+        model = cls(cfg, max_positions=max_positions)
+    model = model.to(dtype).to_empty(device=device)
+    for module in model.modules():
+        if hasattr(module, "reset_buffers"):
+            module.reset_buffers()
+    model.tie_weights()  # to_empty() gives each module its own tensor, untying shared ones
+    return model.eval()
+
+
+def detect_format(path: str) -> str:
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "config.json")):
+            return "hf"
+        raise ValueError(f"model folder {path!r} has no config.json")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"model {path!r} not found (not a folder, file or known name)")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return "gguf"
+    if path.endswith(".bin"):
+        return "llama2c"
+    raise ValueError(f"cannot tell the format of {path!r}: not a GGUF, llama2.c .bin or HF folder")
+
+
+def load_model(path: str, dtype: str, device: torch.device,
+               max_positions: int | None) -> tuple[nn.Module, ModelConfig, torch.dtype]:
+    fmt = detect_format(path)
+    if fmt == "hf":
+        from tokenmill.loaders.hf import load_hf
+
+        return load_hf(path, dtype, device, max_positions)
+    if fmt == "gguf":
+        from tokenmill.loaders.gguf import load_gguf
+
+        return load_gguf(path, dtype, device, max_positions)
+    from tokenmill.loaders.llama2c import load_llama2c
+
+    return load_llama2c(path, dtype, device, max_positions)

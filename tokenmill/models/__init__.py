@@ -1,0 +1,1 @@
+"""Model families, one file each; registry.py maps HF architecture names to classes."""
