@@ -122,7 +122,8 @@ class PagedAttention(nn.Module):
             k, v = k[0, : chunk.kv_len].to(q.dtype), v[0, : chunk.kv_len].to(q.dtype)
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # (kv_heads, kv_len, head_dim)
         num_new = chunk.end - chunk.start
-        if chunk.num_computed == 0 and (self.sliding_window is None or num_new <= self.sliding_window):
+        window = self.sliding_window
+        if chunk.num_computed == 0 and (window is None or num_new <= window):
             out = self._sdpa(q, k, v, causal=True)
         else:
             mask = chunk_mask(chunk.num_computed, num_new, self.sliding_window, q.device)

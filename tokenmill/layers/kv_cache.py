@@ -11,7 +11,9 @@ import torch
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
 
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
     return 2 * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
 

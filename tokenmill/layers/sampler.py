@@ -42,7 +42,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device, dtype=torch.long)
             seen = seen[seen < vocab]
             vals = row[seen]
-            row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+            penalty = p.repetition_penalty
+            row[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
         if p.presence_penalty or p.frequency_penalty:
             out = torch.tensor(seq.output_token_ids, device=row.device, dtype=torch.long)
             counts = torch.zeros(vocab, device=row.device).index_add_(

@@ -17,7 +17,9 @@ from tokenmill.models.registry import model_class
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(requested: str, checkpoint_dtype: str | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(
+    requested: str, checkpoint_dtype: str | None, device: torch.device
+) -> torch.dtype:
     """'auto' keeps the checkpoint's float type (float32 when unknown); float16 runs as bfloat16
     on CPU, where half-precision matmuls are slow."""
     if requested != "auto":
