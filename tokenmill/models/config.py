@@ -52,9 +52,19 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         """From a Hugging Face config.json (transformers 4 or 5 field names)."""
+        from tokenmill.models.registry import model_class
+
         arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
-        if arch == "GPT2LMHeadModel" or cfg.get("model_type") == "gpt2":
-            return _gpt2_from_hf(cfg)
+        model_class(arch)  # unsupported architecture: a clear error before reading fields
+        try:
+            if arch == "GPT2LMHeadModel":
+                return _gpt2_from_hf(cfg)
+            return cls._llama_from_hf(arch, cfg)
+        except KeyError as e:
+            raise ValueError(f"config.json of a {arch} lacks the field {e.args[0]!r}") from None
+
+    @classmethod
+    def _llama_from_hf(cls, arch: str, cfg: dict) -> ModelConfig:
         heads = cfg["num_attention_heads"]
         rope = cfg.get("rope_parameters") or {}
         scaling = cfg.get("rope_scaling") or None
