@@ -13,6 +13,9 @@ from collections import OrderedDict
 
 from tokenmill.engine.sequence import Sequence
 
+# Stands in a block table for a block released because it slid out of the attention window.
+NULL_BLOCK = -1
+
 
 class Block:
     __slots__ = ("block_id", "ref_count", "block_hash")
@@ -127,7 +130,8 @@ class BlockManager:
         assert not child.block_table
         num_full = min(parent.num_computed_tokens, parent.num_prompt_tokens) // self.block_size
         for block_id in parent.block_table[:num_full]:
-            self._take(block_id)
+            if block_id != NULL_BLOCK:
+                self._take(block_id)
         child.block_table = parent.block_table[:num_full]
         child.block_hashes = parent.block_hashes[:num_full]
         child.num_computed_tokens = num_full * self.block_size
@@ -136,9 +140,24 @@ class BlockManager:
         """Release all of seq's blocks (finish, abort or preemption). Tail blocks are released
         first so that, among equally old cached blocks, a prompt's head outlives its tail."""
         for block_id in reversed(seq.block_table):
-            self._release(block_id)
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
         seq.block_table = []
         seq.block_hashes = []
+
+    def release_outside_window(self, seq: Sequence, window: int) -> None:
+        """Free blocks no future query can see: every later query sits at a position
+        >= num_computed_tokens and attends only the last `window` positions. Call after
+        commit(), so released full blocks stay in the prefix cache until evicted."""
+        first_visible = seq.num_computed_tokens - window + 1
+        for i in range(max(first_visible, 0) // self.block_size):
+            if seq.block_table[i] == NULL_BLOCK:
+                continue
+            self._release(seq.block_table[i])
+            seq.block_table[i] = NULL_BLOCK
+
+    def num_held_blocks(self, seq: Sequence) -> int:
+        return sum(1 for b in seq.block_table if b != NULL_BLOCK)
 
     # ---- internals --------------------------------------------------------------------------
     def _take(self, block_id: int) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.layers.kv_cache import kv_bytes_per_token
+from tokenmill.layers.kv_quant import kv_format
 from tokenmill.models.config import ModelConfig
 
 logger = logging.getLogger("tokenmill")
@@ -17,7 +18,6 @@ logger = logging.getLogger("tokenmill")
 # Share of free memory the cache may take when no kv_cache_memory is given.
 DEFAULT_MEMORY_FRACTION = 0.5
 DEFAULT_CHUNK_TOKENS = 2048
-_KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -39,7 +39,7 @@ def available_memory(device: torch.device) -> int:
 class KVCachePlan:
     num_blocks: int
     block_size: int
-    kv_dtype: torch.dtype
+    kv_dtype: str  # a format name: float32, bfloat16, float16, fp8_e4m3, int8, int4
     bytes_per_token: int
     max_model_len: int
     max_num_batched_tokens: int
@@ -55,17 +55,16 @@ class KVCachePlan:
     def describe(self) -> str:
         return (
             f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} "
-            f"tokens ({self.nbytes / 2**20:.1f} MiB, {str(self.kv_dtype).replace('torch.', '')}, "
+            f"tokens ({self.nbytes / 2**20:.1f} MiB, {self.kv_dtype}, "
             f"{self.bytes_per_token} bytes/token); max_model_len {self.max_model_len}"
         )
 
 
-def kv_dtype_for(config: EngineConfig, model_dtype: torch.dtype) -> torch.dtype:
+def kv_dtype_for(config: EngineConfig, model_dtype: torch.dtype) -> str:
+    """The KV format name: 'auto' stores K/V in the model's dtype."""
     if config.kv_cache_dtype == "auto":
-        return model_dtype
-    if config.kv_cache_dtype not in _KV_DTYPES:
-        raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype!r} is not supported yet")
-    return _KV_DTYPES[config.kv_cache_dtype]
+        return kv_format(model_dtype).name
+    return kv_format(config.kv_cache_dtype).name
 
 
 def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype,

@@ -24,6 +24,13 @@ from tokenmill.sampling_params import SamplingParams
 logger = logging.getLogger("tokenmill")
 
 
+def release_window(cfg) -> int | None:
+    """The window beyond which blocks can be freed: only when every layer is a sliding-window
+    layer (a KV block holds all layers, and a global layer needs the whole history)."""
+    windows = [cfg.sliding_window_for(i) for i in range(cfg.num_hidden_layers)]
+    return None if None in windows else max(windows)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.device = resolve_device(config.device)
@@ -57,6 +64,7 @@ class LLMEngine:
         )
         self.requests: dict[str, Request] = {}
         self._counter = 0
+        self.release_window = release_window(self.model_config)
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -128,6 +136,8 @@ class LLMEngine:
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
             self.block_manager.commit(seq)
+            if self.release_window:
+                self.block_manager.release_outside_window(seq, self.release_window)
             entries = result.prompt_logprobs.get(seq.seq_id)
             if entries:
                 if not seq.prompt_logprobs:

@@ -33,7 +33,7 @@ class ModelRunner:
         model_config: ModelConfig,
         num_blocks: int,
         block_size: int,
-        kv_dtype: torch.dtype,
+        kv_dtype: str,
         device: torch.device,
         seed: int = 0,
         eos_ids: list[int] = (),
@@ -74,6 +74,7 @@ class ModelRunner:
         ctx = AttentionContext(self.kv_cache, self._tensor(slots), num_decodes, prefills=prefills)
         if num_decodes:
             decodes = [scheduled[i][0] for i in order[:num_decodes]]
+            # NULL_BLOCK (-1, slid out of the window) indexes the last block: read but masked.
             width = max(len(s.block_table) for s in decodes)
             ctx.decode_block_tables = self._tensor(
                 [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]

@@ -105,21 +105,22 @@ class PagedAttention(nn.Module):
         )
 
     def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        k, v = ctx.kv_cache.gather(self.layer_idx, ctx.decode_block_tables)
+        k, v = ctx.kv_cache.gather(self.layer_idx, ctx.decode_block_tables, q.dtype)
         q = q[:, :, None, :]  # (decodes, heads, 1, head_dim)
-        k = k.transpose(1, 2).to(q.dtype)  # (decodes, kv_heads, kv_len, head_dim)
-        v = v.transpose(1, 2).to(q.dtype)
+        k = k.transpose(1, 2)  # (decodes, kv_heads, kv_len, head_dim)
+        v = v.transpose(1, 2)
         out = self._sdpa(q, k, v, mask=ctx.decode_mask(self.sliding_window))
         return out[:, :, 0, :]
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, ctx: AttentionContext) -> torch.Tensor:
         q = q[chunk.start : chunk.end].transpose(0, 1)  # (heads, new, head_dim)
-        if chunk.num_computed == 0:  # the whole history is this chunk: use fresh K/V directly
+        fresh = chunk.num_computed == 0 and not ctx.kv_cache.quantized
+        if fresh:  # the whole history is this chunk: use its K/V directly
             k = k[chunk.start : chunk.end]
             v = v[chunk.start : chunk.end]
-        else:
-            k, v = ctx.kv_cache.gather(self.layer_idx, chunk.block_table[None, :])
-            k, v = k[0, : chunk.kv_len].to(q.dtype), v[0, : chunk.kv_len].to(q.dtype)
+        else:  # read through the cache (a quantized cache always: same numbers as decode)
+            k, v = ctx.kv_cache.gather(self.layer_idx, chunk.block_table[None, :], q.dtype)
+            k, v = k[0, : chunk.kv_len], v[0, : chunk.kv_len]
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # (kv_heads, kv_len, head_dim)
         num_new = chunk.end - chunk.start
         window = self.sliding_window

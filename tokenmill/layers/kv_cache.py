@@ -1,21 +1,30 @@
-"""Paged KV cache storage: one K and one V tensor per layer, laid out as blocks of token slots.
+"""Paged KV cache storage: K and V for every layer, laid out as blocks of token slots.
 
-A token's slot is block_id * block_size + offset. store() scatters a step's new K/V into their
-slots; gather() reads whole blocks through a block table, padded to a common length.
+A token's slot is block_id * block_size + offset. store() encodes a step's new K/V in the
+cache's format (float or quantized, see kv_quant.py) and scatters them into their slots;
+gather() reads whole blocks through block tables and decodes them to the compute dtype.
 """
 
 from __future__ import annotations
 
 import torch
 
-DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2, torch.float16: 2}
+from tokenmill.layers.kv_quant import KVFormat, kv_format
 
 
-def kv_bytes_per_token(
-    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
-) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-    return 2 * num_layers * num_kv_heads * head_dim * DTYPE_BYTES[dtype]
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """float8 tensors lack CPU index kernels: move their bytes as uint8 instead."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def _gather(part: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    return _raw(part)[block_tables].flatten(1, 2).view(part.dtype)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                       kv_dtype: str | torch.dtype) -> int:
+    """2 (K and V) x layers x kv_heads x bytes per head (head_dim x element bytes + scales)."""
+    return 2 * num_layers * num_kv_heads * kv_format(kv_dtype).bytes_per_head(head_dim)
 
 
 class KVCache:
@@ -26,30 +35,37 @@ class KVCache:
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
-        dtype: torch.dtype,
+        kv_dtype: str | torch.dtype,
         device: torch.device,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.dtype = dtype
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.format: KVFormat = kv_format(kv_dtype)
+        self.bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype)
+        prefix = (num_layers, num_blocks, block_size, num_kv_heads)
         # Zeros, not empty: padded slots are masked out, but 0 * NaN would still poison softmax @ V.
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = [torch.zeros(*prefix, w, dtype=d, device=device)
+                  for w, d in self.format.part_specs(head_dim)]
+        self.v = [torch.zeros_like(p) for p in self.k]
+
+    @property
+    def quantized(self) -> bool:
+        return self.format.quantized
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(p.nbytes for p in self.k + self.v)
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
         # k, v: (tokens, kv_heads, head_dim); slots: (tokens,)
-        heads, dim = k.shape[1:]
-        self.k[layer].view(-1, heads, dim).index_copy_(0, slots, k.to(self.dtype))
-        self.v[layer].view(-1, heads, dim).index_copy_(0, slots, v.to(self.dtype))
+        for parts, x in ((self.k, k), (self.v, v)):
+            for part, value in zip(parts, self.format.encode(x)):
+                flat = part[layer].view(-1, *part.shape[3:])  # (slots, kv_heads, width)
+                _raw(flat).index_copy_(0, slots, _raw(value))
 
-    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, layer: int, block_tables: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         # block_tables: (batch, max_blocks) -> (batch, max_blocks * block_size, kv_heads, head_dim)
-        batch, nblocks = block_tables.shape
-        k = self.k[layer][block_tables].flatten(1, 2)
-        v = self.v[layer][block_tables].flatten(1, 2)
+        k = self.format.decode(tuple(_gather(p[layer], block_tables) for p in self.k), dtype)
+        v = self.format.decode(tuple(_gather(p[layer], block_tables) for p in self.v), dtype)
         return k, v

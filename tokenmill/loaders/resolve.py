@@ -28,3 +28,15 @@ def load_tokenizer(path: str, model_config: ModelConfig) -> Tokenizer | None:
     if os.path.isfile(path) and path.endswith(".json"):
         return Tokenizer.from_folder(os.path.dirname(path))
     return None
+
+
+def read_model_config(path: str) -> ModelConfig:
+    """A model's hyperparameters without loading its weights."""
+    from tokenmill.loaders import detect_format
+
+    fmt = detect_format(path)
+    if fmt == "hf":
+        from tokenmill.loaders.hf import read_hf_config
+
+        return read_hf_config(path)
+    raise ValueError(f"cannot read the configuration of a {fmt} model without loading it")

@@ -1,0 +1,26 @@
+"""`tokenmill kv-memory MODEL`: how much KV cache a model needs, per KV dtype."""
+
+from __future__ import annotations
+
+from tokenmill.commands.common import parse_bytes
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("kv-memory", help="KV cache bytes per token / context / batch")
+    p.add_argument("model", help="HF folder (config.json is enough), GGUF file, model name, or a "
+                                 "known shape: llama-2-70b, llama-3.1-70b, llama-3-8b, ...")
+    p.add_argument("--context", type=int, help="tokens per sequence (default: the model's max)")
+    p.add_argument("--batch", type=int, default=1, help="concurrent sequences")
+    p.add_argument("--memory", type=parse_bytes, help="KV budget, e.g. 24GiB: max sequences")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from tokenmill.kv_memory import load_shape, print_report
+
+    shape = load_shape(args.model)
+    print_report(shape, args.context or shape.max_len, args.batch, args.memory,
+                 args.block_size, args.json)
+    return 0

@@ -1,0 +1,132 @@
+"""KV cache memory arithmetic for any model shape: bytes per token for each KV dtype, totals
+per context and per batch, and how many sequences a memory budget holds. The per-token bytes
+come from the same function the engine sizes its cache with."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from tokenmill.layers.kv_cache import kv_bytes_per_token
+from tokenmill.layers.kv_quant import KV_FORMATS
+from tokenmill.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_len: int
+    sliding_window: int | None = None  # only when every layer uses it
+
+
+# Published shapes, so users can size hardware without downloading anything.
+KNOWN_SHAPES = {s.name: s for s in [
+    Shape("llama-2-7b", 32, 32, 32, 128, 4096),
+    Shape("llama-2-70b", 80, 64, 8, 128, 4096),
+    Shape("llama-3-8b", 32, 32, 8, 128, 8192),
+    Shape("llama-3.1-70b", 80, 64, 8, 128, 131072),
+    Shape("llama-3.1-405b", 126, 128, 8, 128, 131072),
+    Shape("mistral-7b-v0.1", 32, 32, 8, 128, 32768, sliding_window=4096),
+    Shape("qwen2.5-7b", 28, 28, 4, 128, 32768),
+    Shape("smollm2-135m", 30, 9, 3, 64, 8192),
+]}
+
+
+def shape_from_config(name: str, cfg: ModelConfig) -> Shape:
+    from tokenmill.engine.llm_engine import release_window
+
+    return Shape(name, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                 cfg.head_dim, cfg.max_position_embeddings, release_window(cfg))
+
+
+def load_shape(model: str) -> Shape:
+    """A known name, an HF folder (config.json is enough), or a GGUF file (metadata only)."""
+    if model in KNOWN_SHAPES:
+        return KNOWN_SHAPES[model]
+    if os.path.isdir(model):
+        from tokenmill.loaders.hf import read_hf_config
+
+        return shape_from_config(os.path.basename(os.path.normpath(model)), read_hf_config(model))
+    from tokenmill.loaders.resolve import read_model_config, resolve_model
+
+    path = resolve_model(model)
+    return shape_from_config(os.path.basename(path), read_model_config(path))
+
+
+def held_tokens(shape: Shape, context: int, block_size: int) -> int:
+    """Token slots one sequence of `context` tokens holds in the engine: whole blocks, and for
+    all-sliding-window models only the blocks the window can still see (at most two extra)."""
+    blocks = -(-context // block_size)
+    if shape.sliding_window is not None:
+        blocks = min(blocks, shape.sliding_window // block_size + 2)
+    return blocks * block_size
+
+
+def report(shape: Shape, context: int, batch: int, memory: int | None,
+           block_size: int = 16) -> list[dict]:
+    rows = []
+    tokens = held_tokens(shape, context, block_size)
+    for dtype in KV_FORMATS:
+        per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
+        mha = kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, dtype)
+        per_context = tokens * per_token
+        row = {"kv_dtype": dtype, "bytes_per_token": per_token, "mha_bytes_per_token": mha,
+               "per_context_bytes": per_context, "per_batch_bytes": per_context * batch}
+        if memory is not None:
+            num_blocks = memory // (per_token * block_size)
+            row["max_sequences"] = num_blocks // (tokens // block_size)
+            row["tokens_in_budget"] = num_blocks * block_size
+        rows.append(row)
+    return rows
+
+
+def formula(shape: Shape) -> str:
+    """The bfloat16 per-token arithmetic, spelled out."""
+    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                   "bfloat16")
+    return (f"2 (K,V) x {shape.num_layers} layers x {shape.num_kv_heads} kv_heads x "
+            f"{shape.head_dim} head_dim x 2 bytes (bfloat16) = {per_token:,} bytes")
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def print_report(shape: Shape, context: int, batch: int, memory: int | None,
+                 block_size: int, as_json: bool = False) -> None:
+    rows = report(shape, context, batch, memory, block_size)
+    if as_json:
+        print(json.dumps({"model": shape.__dict__, "context": context, "batch": batch,
+                          "memory": memory, "block_size": block_size, "rows": rows}))
+        return
+    gqa = shape.num_heads // shape.num_kv_heads
+    print(f"{shape.name}: {shape.num_layers} layers, {shape.num_heads} heads, "
+          f"{shape.num_kv_heads} KV heads (GQA x{gqa}), head_dim {shape.head_dim}"
+          + (f", sliding window {shape.sliding_window}" if shape.sliding_window else ""))
+    print(f"per token: {formula(shape)}")
+    print(f"context {context:,} tokens, batch {batch}"
+          + (f", budget {human(memory)}" if memory else ""))
+    header = ["kv_dtype", "bytes/token", "MHA bytes/token", "per context", "per batch"]
+    if memory is not None:
+        header += ["max seqs", "tokens in budget"]
+    table = [header]
+    for r in rows:
+        line = [r["kv_dtype"], f"{r['bytes_per_token']:,}", f"{r['mha_bytes_per_token']:,}",
+                human(r["per_context_bytes"]), human(r["per_batch_bytes"])]
+        if memory is not None:
+            line += [f"{r['max_sequences']:,}", f"{r['tokens_in_budget']:,}"]
+        table.append(line)
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    for i, r in enumerate(table):
+        print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
