@@ -37,6 +37,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     seed: int = 0
     num_threads: int | None = None
+    use_kernels: bool = True  # C++ CPU kernels when they build; False = PyTorch reference ops
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

@@ -60,8 +60,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             model, self.model_config, plan.num_blocks, config.block_size, plan.kv_dtype,
-            self.device, config.seed, self.eos_token_ids,
+            self.device, config.seed, self.eos_token_ids, config.use_kernels,
         )
+        logger.info("CPU kernels: %s", "on" if self.runner.kernels else "off (reference ops)")
         self.requests: dict[str, Request] = {}
         self._counter = 0
         self.release_window = release_window(self.model_config)

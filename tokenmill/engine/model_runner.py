@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.sequence import Sequence
+from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PrefillChunk
 from tokenmill.layers.kv_cache import KVCache
 from tokenmill.layers.sampler import Sampler, top_logprobs
@@ -37,7 +38,9 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         eos_ids: list[int] = (),
+        use_kernels: bool = True,
     ) -> None:
+        self.kernels = ops.set_kernels(use_kernels and device.type == "cpu")
         self.model = model
         self.config = model_config
         self.device = device

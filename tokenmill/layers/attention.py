@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers import ops
 from tokenmill.layers.kv_cache import KVCache
 
 
@@ -105,7 +106,14 @@ class PagedAttention(nn.Module):
         )
 
     def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        k, v = ctx.kv_cache.gather(self.layer_idx, ctx.decode_block_tables, q.dtype)
+        cache = ctx.kv_cache
+        if not cache.quantized:  # the C++ kernel reads the blocks in place, no gather copy
+            k, v = cache.k[0][self.layer_idx], cache.v[0][self.layer_idx]
+            out = ops.decode_attention(q.contiguous(), k, v, ctx.decode_block_tables,
+                                       ctx.decode_seq_lens, self.sliding_window, self.scale)
+            if out is not None:
+                return out
+        k, v = cache.gather(self.layer_idx, ctx.decode_block_tables, q.dtype)
         q = q[:, :, None, :]  # (decodes, heads, 1, head_dim)
         k = k.transpose(1, 2)  # (decodes, kv_heads, kv_len, head_dim)
         v = v.transpose(1, 2)

@@ -1,9 +1,12 @@
-"""RMSNorm, computed in float32 like Hugging Face so float32 and bf16 results match the oracle."""
+"""RMSNorm, computed in float32 like Hugging Face so float32 and bf16 results match the oracle.
+Called with a residual, it first adds it (the residual stream) and returns both."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from tokenmill.layers import ops
 
 
 class RMSNorm(nn.Module):
@@ -12,8 +15,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -11,6 +11,8 @@ import math
 import torch
 from torch import nn
 
+from tokenmill.layers import ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -42,11 +44,6 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None):
         super().__init__()
@@ -71,8 +68,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: (tokens, heads, head_dim), k: (tokens, kv_heads, head_dim), positions: (tokens,)
-        cos = self.cos_sin[0, positions].to(q.dtype)[:, None, :]  # (tokens, 1, head_dim)
-        sin = self.cos_sin[1, positions].to(q.dtype)[:, None, :]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k
+        return ops.rope(q, k, self.cos_sin, positions)

@@ -1,8 +1,9 @@
 """Llama-family decoder: Llama, Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (q/k norm).
 
-Module and parameter names mirror Hugging Face's, so checkpoints load by name. Tokens arrive
-packed as one flat batch (tokens, hidden); the AttentionContext says where each sequence's
-K/V live in the paged cache.
+Parameter names mirror Hugging Face's, except that q/k/v and gate/up projections are stored
+fused (qkv_proj, gate_up_proj: one matmul instead of three or two); PACKED tells the loader
+which slice each checkpoint tensor fills. Tokens arrive packed as one flat batch
+(tokens, hidden); the AttentionContext says where each sequence's K/V live in the paged cache.
 """
 
 from __future__ import annotations
@@ -10,13 +11,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PagedAttention
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.loading import load_packed
+
+# checkpoint module name -> (fused module name, shard index)
+PACKED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
 
 
 class LlamaAttention(nn.Module):
@@ -24,11 +33,9 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
-        hidden, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], cfg.attention_bias)
+        self.o_proj = Linear(q_size, [cfg.hidden_size], bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
@@ -42,9 +49,10 @@ class LlamaAttention(nn.Module):
         ctx: AttentionContext,
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)  # (tokens, heads, head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)  # (tokens, heads, head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
@@ -57,13 +65,12 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if cfg.hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
-        hidden, inter, bias = cfg.hidden_size, cfg.intermediate_size, cfg.mlp_bias
-        self.gate_proj = nn.Linear(hidden, inter, bias=bias)
-        self.up_proj = nn.Linear(hidden, inter, bias=bias)
-        self.down_proj = nn.Linear(inter, hidden, bias=bias)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias)
+        self.down_proj = Linear(inter, [cfg.hidden_size], cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -74,9 +81,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rotary, ctx) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rotary, ctx):
+        """x: this layer's input before the residual add (the previous layer's output)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rotary, ctx)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -92,10 +105,10 @@ class LlamaModel(nn.Module):
         )
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (tokens, hidden)
+        x, residual = self.embed_tokens(input_ids), None  # (tokens, hidden)
         for layer in self.layers:
-            x = layer(x, positions, self.rotary_emb, ctx)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rotary_emb, ctx)
+        return self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -103,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -119,29 +132,4 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()  # (rows, vocab)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_by_name(self, weights)
-
-
-def load_by_name(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint tensors into parameters of the same name; every parameter must be set."""
-    params = dict(model.named_parameters())
-    tied = getattr(model.config, "tie_word_embeddings", False)
-    missing = set(params)
-    for name, tensor in weights:
-        if name.endswith("rotary_emb.inv_freq"):
-            continue
-        if tied and name == "lm_head.weight":
-            name = "model.embed_tokens.weight" if "model.embed_tokens.weight" in params else name
-        if name not in params:
-            raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
-        param = params[name]
-        if tuple(param.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"expected {tuple(param.shape)}"
-            )
-        with torch.no_grad():
-            param.copy_(tensor)
-        missing.discard(name)
-    if missing:
-        raise ValueError(f"checkpoint is missing weights: {', '.join(sorted(missing)[:5])}")
+        load_packed(self, weights, PACKED)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Build llama.cpp's llama-bench, llama-batched-bench and llama-server from the sources vendored
+# in the llama-cpp-python sdist (the package index is the only network here). The build is
+# cached: ${TOKENMILL_HOME:-~/.cache/tokenmill}/llama.cpp/build/bin. Takes 10-20 min on 2 cores.
+set -euo pipefail
+home="${TOKENMILL_HOME:-$HOME/.cache/tokenmill}/llama.cpp"
+bin="$home/build/bin"
+if [ -x "$bin/llama-bench" ] && [ -x "$bin/llama-server" ] && [ -x "$bin/llama-batched-bench" ]; then
+  echo "$bin"
+  exit 0
+fi
+mkdir -p "$home"
+cd "$home"
+if [ ! -d src ]; then
+  python3 -m pip download --quiet --no-binary :all: --no-deps llama-cpp-python -d sdist >&2
+  mkdir -p src
+  tar -xzf sdist/llama_cpp_python-*.tar.gz -C src --strip-components=1
+fi
+cmake -S src/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+  -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
+  -DBUILD_SHARED_LIBS=OFF >&2
+cmake --build build -j "$(nproc)" --target llama-bench llama-batched-bench llama-server >&2
+echo "$bin"

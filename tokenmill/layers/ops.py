@@ -1,0 +1,116 @@
+"""Hot-path operators. Each has a plain PyTorch reference (the definition) and, on CPUs with
+AVX2, a C++ kernel that computes the same thing with one call instead of many small ops (see
+kernels/cpu_ops.cpp). tests/test_kernels.py checks that both agree.
+
+The kernels are a process-wide switch (set_kernels, or TOKENMILL_KERNELS=0), on by default when
+they compile; tensors on other devices or in other dtypes always take the reference path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_kernels = None
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+SMALL_BATCH = 16  # rows up to which the streaming GEMV kernel beats a converted-weight GEMM
+
+
+def set_kernels(enabled: bool) -> bool:
+    """Turn the C++ kernels on or off; returns whether they are now in use."""
+    global _kernels
+    if enabled:
+        from tokenmill.kernels import load_cpu_kernels
+
+        _kernels = load_cpu_kernels()
+    else:
+        _kernels = None
+    return _kernels is not None
+
+
+def kernels_active() -> bool:
+    return _kernels is not None
+
+
+def _fast(x: torch.Tensor) -> bool:
+    return _kernels is not None and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
+
+
+# ---- references ---------------------------------------------------------------------------
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_ref(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    # x: (tokens, heads, head_dim); cos_sin: (2, max_positions, head_dim) float32
+    cos = cos_sin[0, positions].to(x.dtype)[:, None, :]  # (tokens, 1, head_dim)
+    sin = cos_sin[1, positions].to(x.dtype)[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---- dispatch -----------------------------------------------------------------------------
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if _fast(x) and weight.dtype == x.dtype:
+        return _kernels.rms_norm(x.contiguous(), weight, eps, None)
+    return rms_norm_ref(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual + x becomes the new residual stream; returns (its norm, new residual)."""
+    if _fast(x) and weight.dtype == x.dtype == residual.dtype and residual.is_contiguous():
+        return _kernels.rms_norm(residual, weight, eps, x.contiguous()), residual
+    residual = residual + x
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    if _fast(q):
+        q, k = q.contiguous(), k.contiguous()
+        _kernels.rope(q, cos_sin, positions)
+        _kernels.rope(k, cos_sin, positions)
+        return q, k
+    return rope_ref(q, cos_sin, positions), rope_ref(k, cos_sin, positions)
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    if _fast(x):
+        return _kernels.silu_mul(x.contiguous())
+    return silu_mul_ref(x)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """x @ weight.T + bias. Small batches stream the weights once through the GEMV kernel (the
+    decode case, bandwidth-bound); large ones convert bf16 weights to float32 for MKL's GEMM
+    (the prefill case, compute-bound), because PyTorch's bf16 GEMM is slow without AVX-512."""
+    if _fast(x) and weight.dtype in _KERNEL_DTYPES and x.dim() == 2:
+        if x.shape[0] <= SMALL_BATCH:
+            return _kernels.linear(x, weight, bias)
+        if weight.dtype == torch.bfloat16:
+            out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+            return out.to(x.dtype)
+    return F.linear(x, weight, bias)
+
+
+def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window, scale):
+    """q: (batch, heads, head_dim) against one layer's paged cache; None when no kernel fits
+    (the caller then gathers and uses SDPA)."""
+    if _fast(q) and k_cache.dtype == q.dtype:
+        return _kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                         window or 0, scale)
+    return None

@@ -1,0 +1,55 @@
+"""Copy checkpoint tensors into a model by name, filling fused (packed) projections slice by
+slice; every parameter must end up fully set, and shapes must match exactly."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+
+def load_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                packed: dict[str, tuple[str, int]] | None = None) -> None:
+    params = dict(model.named_parameters())
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    pending = {name: _num_shards(model, name) for name in params}  # shards still to load
+    for name, tensor in weights:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if tied and name == "lm_head.weight":
+            name = "model.embed_tokens.weight"
+        target, shard = _packed_target(name, packed or {})
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
+        dest = params[target]
+        if shard is not None:
+            dest = dest[_owner(model, target).shard(shard)]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(tensor)
+        pending[target].discard(shard)
+    missing = sorted(name for name, shards in pending.items() if shards)
+    if missing:
+        raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+
+
+def _owner(model: nn.Module, param_name: str) -> nn.Module:
+    return model.get_submodule(param_name.rsplit(".", 1)[0])
+
+
+def _num_shards(model: nn.Module, param_name: str) -> set:
+    sizes = getattr(_owner(model, param_name), "sizes", None)
+    return set(range(len(sizes))) if sizes and len(sizes) > 1 else {None}
+
+
+def _packed_target(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """'model.layers.0.self_attn.q_proj.weight' -> ('...self_attn.qkv_proj.weight', 0)"""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in packed:
+            fused, shard = packed[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
+    return name, None
