@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.engine.request_stream import EngineClosedError, EngineStepError, RequestStream
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -27,63 +28,6 @@ logger = logging.getLogger("tokenmill")
 
 class QueueFullError(RuntimeError):
     """The waiting queue already holds max_queued_requests requests (HTTP 429)."""
-
-
-class EngineStepError(RuntimeError):
-    """A step failed while this request was in the batch; the request was aborted."""
-
-
-class EngineClosedError(RuntimeError):
-    """The engine shut down before the request finished."""
-
-
-class RequestStream:
-    """The outputs of one or more engine requests added together (one HTTP request: several
-    prompts of a batched completion). Iterate it for RequestOutputs; close() aborts whatever is
-    still running. Only the event loop thread touches it; the step thread goes through the loop.
-    """
-
-    def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
-        self.request_ids = request_ids
-        self.loop = asyncio.get_running_loop()
-        self.accepted: asyncio.Future = self.loop.create_future()
-        self._engine = engine
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._unfinished = set(request_ids)
-
-    @property
-    def finished(self) -> bool:
-        return not self._unfinished
-
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.close()  # siblings of a failed request must not run on with nobody listening
-            raise item
-        if item.finished:
-            self._unfinished.discard(item.request_id)
-        return item
-
-    def close(self) -> None:
-        """Abort the requests that have not finished; their KV blocks are freed before the next
-        step. Safe to call more than once."""
-        if self._unfinished:
-            self._engine.abort(sorted(self._unfinished))
-            self._unfinished.clear()
-
-    async def __aenter__(self) -> RequestStream:
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        self.close()
 
 
 @dataclass
@@ -171,7 +115,7 @@ class AsyncEngine:
             )
         base = request_id or f"req-{next(self._ids)}"
         ids = [base] if len(prompts) == 1 else [f"{base}-{i}" for i in range(len(prompts))]
-        stream = RequestStream(self, ids)
+        stream = RequestStream(ids, self.abort)
         self._in_transit += len(ids)
         self._commands.put(_Add(stream, prompts, params, arrival_time or time.perf_counter()))
         try:
@@ -187,8 +131,9 @@ class AsyncEngine:
     async def generate(
         self, prompt, params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's RequestOutput each step it gets new tokens. Stopping early
-        (break, cancellation, a client that went away) aborts it and frees its KV blocks."""
+        """Yield the request's RequestOutput each step it gets new tokens. Closing the generator
+        early aborts the request and frees its KV blocks; wrap it in contextlib.aclosing() so
+        that a `break` closes it at once rather than when it is garbage collected."""
         stream = await self.add([prompt], params or SamplingParams(), request_id)
         async with stream:
             async for out in stream:
@@ -207,7 +152,6 @@ class AsyncEngine:
             self.stats = self.engine.stats()
             if self.engine.has_unfinished_requests():
                 self._step()
-                self.stats = self.engine.stats()
 
     def _drain(self, block: bool) -> bool:
         """Apply queued commands; wait for one first when there is nothing to step.
@@ -248,12 +192,12 @@ class AsyncEngine:
         except Exception as e:
             for rid in added:
                 self.engine.abort_request(rid)
-            self._call(stream, _reject, stream, e)
+            self._call(stream, stream.reject, e)
             return
         for rid in added:
             self._streams[rid] = stream
         self.stats = self.engine.stats()  # before the ack, so num_waiting never misses them
-        self._call(stream, _accept, stream)
+        self._call(stream, stream.accept)
 
     def _step(self) -> None:
         try:
@@ -261,7 +205,9 @@ class AsyncEngine:
         except Exception as e:
             logger.exception("engine step failed")
             self._fail_batch(e)
+            self.stats = self.engine.stats()
             return
+        self.stats = self.engine.stats()  # before the outputs: a reader of one sees the other
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if out.finished:
@@ -272,7 +218,7 @@ class AsyncEngine:
                 except Exception:
                     logger.exception("on_output callback failed")
             if stream is not None:
-                self._call(stream, stream._put, out)
+                self._call(stream, stream.put, out)
 
     def _fail_batch(self, error: Exception) -> None:
         """A failed step leaves the sequences it scheduled in an unknown state, so abort every
@@ -288,12 +234,12 @@ class AsyncEngine:
                 logger.exception("abort of %s after a failed step failed", rid)
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                self._call(stream, stream._put, EngineStepError(message))
+                self._call(stream, stream.put, EngineStepError(message))
 
     def _close_all(self) -> None:
         for rid, stream in list(self._streams.items()):
             self.engine.abort_request(rid)
-            self._call(stream, stream._put, EngineClosedError("the engine shut down"))
+            self._call(stream, stream.put, EngineClosedError("the engine shut down"))
         self._streams.clear()
         self.stats = self.engine.stats()
 
@@ -307,16 +253,6 @@ class AsyncEngine:
                 self.engine.abort_request(rid)
 
 
-def _accept(stream: RequestStream) -> None:
-    if not stream.accepted.done():
-        stream.accepted.set_result(None)
-
-
 def _consume(future: asyncio.Future) -> None:
     if not future.cancelled():
         future.exception()  # mark a rejection nobody awaits any more as retrieved
-
-
-def _reject(stream: RequestStream, error: Exception) -> None:
-    if not stream.accepted.done():
-        stream.accepted.set_exception(error)

@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.engine.async_engine import EngineStepError, RequestStream
+from tokenmill.engine.request_stream import RequestFailedError, RequestStream
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.logprobs import chat_logprobs
@@ -138,7 +138,7 @@ async def _events(stream: RequestStream, req: ChatCompletionRequest, model: str,
                 yield chunk(choices)
         if req.include_usage and last is not None:
             yield chunk([], usage([last]))
-    except EngineStepError as e:
+    except RequestFailedError as e:
         yield sse(APIError(500, str(e)).body())
     finally:
         stream.close()

@@ -9,7 +9,7 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.engine.async_engine import EngineStepError, RequestStream
+from tokenmill.engine.request_stream import RequestFailedError, RequestStream
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError
 from tokenmill.server.logprobs import completion_logprobs
@@ -121,7 +121,7 @@ async def _events(stream: RequestStream, req: CompletionRequest, model: str, rid
             outputs = [final[r] for r in stream.request_ids]
             yield sse(CompletionResponse(id=rid, created=created, model=model, choices=[],
                                          usage=usage(outputs)).model_dump())
-    except EngineStepError as e:
+    except RequestFailedError as e:
         yield sse(APIError(500, str(e)).body())
     finally:
         stream.close()

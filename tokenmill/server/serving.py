@@ -6,13 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.engine.async_engine import (
-    AsyncEngine,
-    EngineClosedError,
-    EngineStepError,
-    QueueFullError,
-    RequestStream,
-)
+from tokenmill.engine.async_engine import AsyncEngine, QueueFullError
+from tokenmill.engine.request_stream import EngineClosedError, RequestFailedError, RequestStream
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, bad_request
@@ -89,7 +84,9 @@ async def collect(stream: RequestStream) -> list[RequestOutput]:
         async for out in stream:
             if out.finished:
                 final[out.request_id] = out
-    except EngineStepError as e:
+    except EngineClosedError as e:
+        raise APIError(503, str(e)) from e
+    except RequestFailedError as e:
         raise APIError(500, str(e)) from e
     finally:
         stream.close()
