@@ -77,7 +77,8 @@ async def create_chat_completion(req: ChatCompletionRequest, model: ServedModel,
     arrival = time.perf_counter()
     model.check_model(req.model)
     logprobs = _check_supported(req)
-    max_tokens = req.max_completion_tokens or req.max_tokens
+    max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                  else req.max_tokens)
     prompt = _prompt(req, model)
     model.check_length(prompt, max_tokens, "messages")
     params = sampling_params(req, max_tokens, logprobs)
