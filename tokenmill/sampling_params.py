@@ -75,8 +75,9 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value) and -2.0 <= value <= 2.0,
                    f"{name} must be in [-2, 2], got {value!r}")
-        _check(self.seed is None or _is_int(self.seed),
-               f"seed must be an integer, got {self.seed!r}")
+        # torch.Generator.manual_seed takes [-2**63, 2**64); beyond, it fails mid-step.
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+               f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         _check(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             f"max_tokens must be a positive integer or None, got {self.max_tokens!r}",

@@ -1,0 +1,28 @@
+"""Core fix found while building the server: a seed torch cannot take (>= 2**64) used to pass
+SamplingParams and then fail the engine step of everyone batched with it."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_seed_out_of_torch_range_is_rejected_up_front(seed):
+    with pytest.raises(ValueError, match="seed must be"):
+        SamplingParams(seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, -1, 2**63, 2**64 - 1, -(2**63)])
+def test_seeds_torch_accepts_are_fine(seed):
+    assert SamplingParams(seed=seed).seed == seed
+
+
+def test_server_rejects_a_huge_seed_with_400(make_server):
+    server = make_server()
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                   json={"prompt": "hi", "seed": 2**64, "temperature": 1.0})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "seed"
