@@ -59,8 +59,8 @@ class SamplingParams:
             _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
             f"top_p must be in (0, 1], got {self.top_p!r}",
         )
-        _check(
-            _is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
+        _check(  # the sampler puts top_k in an int64 tensor
+            _is_int(self.top_k) and (0 <= self.top_k < 2**63 or self.top_k == -1),
             f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
         )
         _check(

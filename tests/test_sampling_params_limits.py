@@ -1,5 +1,5 @@
-"""Core fix found while building the server: a seed torch cannot take (>= 2**64) used to pass
-SamplingParams and then fail the engine step of everyone batched with it."""
+"""Core fixes found while building the server: a seed or top_k that torch cannot hold used to
+pass SamplingParams and then fail the engine step of every request batched with it."""
 
 from __future__ import annotations
 
@@ -26,3 +26,17 @@ def test_server_rejects_a_huge_seed_with_400(make_server):
                    json={"prompt": "hi", "seed": 2**64, "temperature": 1.0})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "seed"
+
+
+def test_top_k_beyond_int64_is_rejected_up_front():
+    with pytest.raises(ValueError, match="top_k must be"):
+        SamplingParams(top_k=2**70)
+    assert SamplingParams(top_k=10**9).top_k == 10**9  # larger than any vocabulary: fine
+
+
+def test_server_rejects_a_huge_top_k_with_400(make_server):
+    server = make_server()
+    r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                   json={"prompt": "hi", "top_k": 2**70, "temperature": 1.0})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "top_k"
