@@ -20,8 +20,12 @@ def test_seeds_torch_accepts_are_fine(seed):
     assert SamplingParams(seed=seed).seed == seed
 
 
-def test_server_rejects_a_huge_seed_with_400(make_server):
-    server = make_server()
+@pytest.fixture(scope="module")
+def server(make_server):
+    return make_server()
+
+
+def test_server_rejects_a_huge_seed_with_400(server):
     r = httpx.post(f"{server.url}/v1/completions", timeout=30,
                    json={"prompt": "hi", "seed": 2**64, "temperature": 1.0})
     assert r.status_code == 400, r.text
@@ -34,9 +38,15 @@ def test_top_k_beyond_int64_is_rejected_up_front():
     assert SamplingParams(top_k=10**9).top_k == 10**9  # larger than any vocabulary: fine
 
 
-def test_server_rejects_a_huge_top_k_with_400(make_server):
-    server = make_server()
+def test_server_rejects_a_huge_top_k_with_400(server):
     r = httpx.post(f"{server.url}/v1/completions", timeout=30,
                    json={"prompt": "hi", "top_k": 2**70, "temperature": 1.0})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "top_k"
+
+
+def test_largest_accepted_values_run_through_the_sampler(server):
+    for extra in ({"seed": 2**64 - 1}, {"seed": -(2**63)}, {"top_k": 2**63 - 1}):
+        r = httpx.post(f"{server.url}/v1/completions", timeout=30,
+                       json={"prompt": "hi", "max_tokens": 2, "temperature": 1.0, **extra})
+        assert r.status_code == 200, (extra, r.text)
