@@ -1,15 +1,27 @@
-"""Shared test helpers: where the fixtures live and tiny random checkpoints made with
-transformers (the numerical oracle)."""
+"""Shared test helpers: where the fixtures live, tiny random checkpoints made with
+transformers (the numerical oracle), a tiny Llama with GPT-2's tokenizer and a chat template,
+engines on it, and live servers on free loopback ports."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import socket
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+EOS = "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+# Small enough to be quick on two CPU cores, large enough for 32 concurrent requests.
+ENGINE_DEFAULTS = dict(max_model_len=256, kv_cache_memory=8 * 2**20, max_num_seqs=32)
 
 
 def fixtures_dir() -> Path | None:
@@ -81,3 +93,100 @@ def random_prompts(
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(lo, hi + 1, (count,), generator=g).tolist()
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """A random 2-layer Llama saved as a Hugging Face folder, with GPT-2's tokenizer.json."""
+    fx = fixtures_dir()
+    tokenizer_json = fx / "tokenizers" / "gpt2" / "tokenizer.json" if fx else None
+    if tokenizer_json is None or not tokenizer_json.exists():
+        pytest.skip("fixtures not found (../shared/fixtures or $TOKENMILL_FIXTURES): "
+                    "need tokenizers/gpt2/tokenizer.json")
+    transformers = pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=50257, max_position_embeddings=512,
+        bos_token_id=50256, eos_token_id=50256,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    shutil.copyfile(tokenizer_json, path / "tokenizer.json")
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": EOS, "chat_template": CHAT_TEMPLATE}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def make_engine(tiny_model):
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+
+    def make(**kwargs) -> LLMEngine:
+        return LLMEngine(EngineConfig(model=tiny_model, **{**ENGINE_DEFAULTS, **kwargs}))
+
+    return make
+
+
+class LiveServer:
+    """uvicorn in a background thread. The socket is bound and listening before the thread
+    starts, so clients may connect at once: they wait in the backlog until it accepts."""
+
+    def __init__(self, app) -> None:
+        import uvicorn
+
+        self.app = app
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True)
+        self.thread.start()
+
+    @property
+    def async_engine(self):
+        return self.app.state.async_engine
+
+    @property
+    def engine(self):
+        return self.app.state.async_engine.engine
+
+    def metrics(self) -> dict[str, float]:
+        """{sample name: value} summed over labels, from /metrics via the official parser."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = httpx.get(f"{self.url}/metrics").text
+        values: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if not s.labels.get("le"):
+                    values[s.name] = values.get(s.name, 0.0) + s.value
+        return values
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def make_server(make_engine):
+    """make_server(engine_kwargs=None, **create_app_kwargs) -> LiveServer, stopped at the end
+    of the module."""
+    from tokenmill.server.app import create_app
+
+    servers: list[LiveServer] = []
+
+    def make(engine_kwargs: dict | None = None, **app_kwargs) -> LiveServer:
+        engine = make_engine(**(engine_kwargs or {}))
+        app_kwargs.setdefault("served_model_names", ["tiny"])
+        server = LiveServer(create_app(engine, **app_kwargs))
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.stop()

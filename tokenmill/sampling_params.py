@@ -59,8 +59,8 @@ class SamplingParams:
             _is_number(self.top_p) and 0.0 < self.top_p <= 1.0,
             f"top_p must be in (0, 1], got {self.top_p!r}",
         )
-        _check(
-            _is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
+        _check(  # the sampler puts top_k in an int64 tensor
+            _is_int(self.top_k) and (0 <= self.top_k < 2**63 or self.top_k == -1),
             f"top_k must be -1, 0 (disabled) or a positive integer, got {self.top_k!r}",
         )
         _check(
@@ -75,8 +75,9 @@ class SamplingParams:
             value = getattr(self, name)
             _check(_is_number(value) and -2.0 <= value <= 2.0,
                    f"{name} must be in [-2, 2], got {value!r}")
-        _check(self.seed is None or _is_int(self.seed),
-               f"seed must be an integer, got {self.seed!r}")
+        # torch.Generator.manual_seed takes [-2**63, 2**64); beyond, it fails mid-step.
+        _check(self.seed is None or (_is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+               f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
         _check(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
             f"max_tokens must be a positive integer or None, got {self.max_tokens!r}",

@@ -1,0 +1,86 @@
+"""The FastAPI app: OpenAI-compatible /v1 routes, /health and /metrics around one AsyncEngine,
+which the app starts and stops with its lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.server.auth import APIKeyMiddleware
+from tokenmill.server.chat import create_chat_completion
+from tokenmill.server.completions import create_completion
+from tokenmill.server.errors import install_error_handlers
+from tokenmill.server.metrics import ServerMetrics
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from tokenmill.server.serving import ServedModel
+
+
+def create_app(
+    engine: LLMEngine,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    max_queued_requests: int | None = None,
+) -> FastAPI:
+    """An app serving engine. app.state holds async_engine, model and metrics (for tests)."""
+    names = list(served_model_names or [engine.config.model])
+    metrics = ServerMetrics(names[0])
+    async_engine = AsyncEngine(engine, max_queued_requests, on_output=metrics.observe)
+    metrics.watch_engine(lambda: async_engine.stats)
+    model = ServedModel(async_engine, names)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(async_engine.shutdown)
+
+    app = FastAPI(title="tokenmill", lifespan=lifespan)
+    app.state.async_engine, app.state.model, app.state.metrics = async_engine, model, metrics
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.include_router(_v1_routes(model))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_running:
+            return JSONResponse({"status": "engine not running"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _v1_routes(model: ServedModel) -> APIRouter:
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, model, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, model, request)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=n, max_model_len=model.max_model_len)
+                               for n in model.names])
+
+    return v1

@@ -1,0 +1,146 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, n assistant
+replies, as one JSON response or as Server-Sent Events (role first, then content deltas)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.engine.request_stream import RequestFailedError, RequestStream
+from tokenmill.outputs import RequestOutput
+from tokenmill.server.errors import APIError, bad_request
+from tokenmill.server.logprobs import chat_logprobs
+from tokenmill.server.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    DeltaMessage,
+    random_id,
+)
+from tokenmill.server.serving import ServedModel, collect, sampling_params, usage
+from tokenmill.server.streaming import (
+    ClientDisconnected,
+    EventStreamResponse,
+    sse,
+    until_disconnect,
+)
+
+
+def _messages(req: ChatCompletionRequest) -> list[dict]:
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(part.type != "text" for part in content):
+                raise APIError(400, "only text content parts are supported",
+                               param=f"messages.{i}.content")
+            content = "".join(part.text or "" for part in content)
+        messages.append({"role": m.role, "content": content or ""})
+    return messages
+
+
+def _prompt(req: ChatCompletionRequest, model: ServedModel) -> dict:
+    tok = model.tokenizer
+    if tok is None or not tok.chat_template:
+        raise APIError(400, "this model has no chat template; use /v1/completions",
+                       param="messages")
+    try:
+        text = tok.apply_chat_template(_messages(req), req.add_generation_prompt)
+    except ValueError as e:
+        raise bad_request(e, param="messages") from e
+    # The template already holds any BOS token, so do not add special tokens twice.
+    return model.encode(text, add_special_tokens=False)
+
+
+def _check_supported(req: ChatCompletionRequest) -> int | None:
+    """The engine's logprobs count for this request (None: no logprobs)."""
+    if req.tools:
+        raise APIError(400, "tools are not supported by this server", param="tools")
+    if req.response_format and req.response_format.get("type") != "text":
+        raise APIError(400, "only response_format {'type': 'text'} is supported",
+                       param="response_format")
+    if req.logit_bias:
+        raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
+async def create_chat_completion(req: ChatCompletionRequest, model: ServedModel,
+                                 raw: Request) -> Response:
+    arrival = time.perf_counter()
+    model.check_model(req.model)
+    logprobs = _check_supported(req)
+    max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
+                  else req.max_tokens)
+    prompt = _prompt(req, model)
+    model.check_length(prompt, max_tokens, "messages")
+    params = sampling_params(req, max_tokens, logprobs)
+    rid, created = random_id("chatcmpl"), int(time.time())
+    stream = await model.start([prompt], params, rid, arrival)
+    if req.stream:
+        return EventStreamResponse(_events(stream, req, model.name, rid, created))
+    try:
+        outputs = await until_disconnect(raw.receive, collect(stream))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = [
+        ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
+                   finish_reason=c.finish_reason,
+                   logprobs=chat_logprobs(c, logprobs) if logprobs is not None else None)
+        for c in outputs[0].outputs
+    ]
+    body = ChatCompletionResponse(id=rid, created=created, model=model.name, choices=choices,
+                                  usage=usage(outputs))
+    return JSONResponse(body.model_dump())
+
+
+def _choices(out: RequestOutput, req: ChatCompletionRequest,
+             finished: set[int]) -> list[ChatStreamChoice]:
+    choices = []
+    for c in out.outputs:
+        finishing = c.finish_reason is not None and c.index not in finished
+        wants_logprobs = req.logprobs and c.delta_token_ids
+        if not (c.delta_text or finishing or wants_logprobs):
+            continue
+        logprobs = None
+        if req.logprobs:
+            start = len(c.token_ids) - len(c.delta_token_ids)
+            logprobs = chat_logprobs(c, req.top_logprobs or 0, start)
+        if finishing:
+            finished.add(c.index)
+        choices.append(ChatStreamChoice(index=c.index,
+                                        delta=DeltaMessage(content=c.delta_text or None),
+                                        logprobs=logprobs, finish_reason=c.finish_reason))
+    return choices
+
+
+async def _events(stream: RequestStream, req: ChatCompletionRequest, model: str, rid: str,
+                  created: int) -> AsyncGenerator[str, None]:
+    def chunk(choices, usage_=None) -> str:
+        return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
+                                       usage=usage_).model_dump())
+
+    finished: set[int] = set()
+    last = None
+    try:
+        yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                     for i in range(req.n)])
+        async for out in stream:
+            last = out
+            choices = _choices(out, req, finished)
+            if choices:
+                yield chunk(choices)
+        if req.include_usage and last is not None:
+            yield chunk([], usage([last]))
+    except RequestFailedError as e:
+        yield sse(APIError(500, str(e)).body())
+    finally:
+        stream.close()
+    yield sse("[DONE]")

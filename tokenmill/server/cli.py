@@ -1,0 +1,66 @@
+"""`tokenmill serve [MODEL]`: load a model and serve the OpenAI-compatible API with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from tokenmill.commands.common import DEFAULT_MODEL, add_engine_args, engine_kwargs
+
+logger = logging.getLogger("tokenmill.server")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API")
+    p.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"model path or name (default: {DEFAULT_MODEL})")
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
+    g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
+                                     "(default: $TOKENMILL_API_KEY)")
+    g.add_argument("--max-queued-requests", type=int,
+                   help="requests allowed to wait for a batch slot; more get HTTP 429")
+    g.add_argument("--served-model-name", nargs="+",
+                   help="model name(s) clients use; the first one is reported")
+    g.add_argument("--log-level", default="warning",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_args(p)
+    p.set_defaults(run=run)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind before uvicorn starts, so that the printed address is final (even with --port 0)
+    and clients connecting right away wait in the listen backlog instead of failing."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise RuntimeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+
+
+def run(args) -> int:
+    import uvicorn
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.llm_engine import LLMEngine
+    from tokenmill.server.app import create_app
+
+    api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
+    if args.max_queued_requests is not None and args.max_queued_requests < 1:
+        raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    engine = LLMEngine(EngineConfig(model=args.model, **engine_kwargs(args)))
+    names = args.served_model_name or [args.model]
+    app = create_app(engine, names, api_key, args.max_queued_requests)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("listening on %s without --api-key: anyone who can reach it can use it",
+                       args.host)
+    shown = f"[{host}]" if ":" in host else host
+    print(f"tokenmill serve: {names[0]!r} on http://{shown}:{port}/v1", flush=True)
+    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
