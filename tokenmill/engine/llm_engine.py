@@ -200,8 +200,7 @@ class LLMEngine:
                     raise RuntimeError("not enough free KV blocks to score this sequence")
                 self.block_manager.allocate(seq, n)
                 input_ids, positions, ctx, _ = self.runner.prepare([(seq, n)])
-                hidden = self.runner.model(input_ids, positions, ctx)
-                logits.append(self.runner.model.compute_logits(hidden))
+                logits.append(self.runner.logits(self.runner.forward(input_ids, positions, ctx)))
                 seq.num_computed_tokens += n
         finally:
             self.block_manager.free(seq)

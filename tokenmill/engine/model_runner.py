@@ -40,7 +40,7 @@ class ModelRunner:
         eos_ids: list[int] = (),
         use_kernels: bool = True,
     ) -> None:
-        self.kernels = ops.set_kernels(use_kernels and device.type == "cpu")
+        self.kernels = use_kernels and device.type == "cpu" and ops.available()
         self.model = model
         self.config = model_config
         self.device = device
@@ -85,6 +85,14 @@ class ModelRunner:
             ctx.decode_seq_lens = self._tensor([s.num_computed_tokens + 1 for s in decodes])
         return self._tensor(ids), self._tensor(positions), ctx, starts
 
+    def forward(self, input_ids, positions, ctx) -> torch.Tensor:
+        with ops.kernels(self.kernels):
+            return self.model(input_ids, positions, ctx)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        with ops.kernels(self.kernels):
+            return self.model.compute_logits(hidden)
+
     @torch.inference_mode()
     def execute(
         self,
@@ -95,12 +103,12 @@ class ModelRunner:
         """Run one step. sample_rows[j] is the scheduled entry whose last token's logits sample
         a token for sample_seqs[j] (several entries may share a row: n > 1 forks)."""
         input_ids, positions, ctx, starts = self.prepare(scheduled)
-        hidden = self.model(input_ids, positions, ctx)  # (tokens, hidden)
+        hidden = self.forward(input_ids, positions, ctx)  # (tokens, hidden)
         last = [starts[i] + scheduled[i][1] - 1 for i in sample_rows]
         plp_rows, plp_plan = self._prompt_logprob_rows(scheduled, starts)
         rows = sorted(set(last) | set(plp_rows))
         where = {r: k for k, r in enumerate(rows)}
-        logits = self.model.compute_logits(hidden[self._tensor(rows)]) if rows else None
+        logits = self.logits(hidden[self._tensor(rows)]) if rows else None
         result = StepResult([], [])
         if sample_seqs:
             sample_logits = logits[self._tensor([where[r] for r in last])]

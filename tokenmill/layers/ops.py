@@ -2,11 +2,14 @@
 AVX2, a C++ kernel that computes the same thing with one call instead of many small ops (see
 kernels/cpu_ops.cpp). tests/test_kernels.py checks that both agree.
 
-The kernels are a process-wide switch (set_kernels, or TOKENMILL_KERNELS=0), on by default when
-they compile; tensors on other devices or in other dtypes always take the reference path.
+Which path runs is decided per forward pass: a ModelRunner wraps its model calls in
+`with ops.kernels(enabled):` (TOKENMILL_KERNELS=0 disables them everywhere). Tensors on other
+devices or in other dtypes always take the reference path.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -16,20 +19,23 @@ _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 SMALL_BATCH = 16  # rows up to which the streaming GEMV kernel beats a converted-weight GEMM
 
 
-def set_kernels(enabled: bool) -> bool:
-    """Turn the C++ kernels on or off; returns whether they are now in use."""
+def available() -> bool:
+    from tokenmill.kernels import load_cpu_kernels
+
+    return load_cpu_kernels() is not None
+
+
+@contextlib.contextmanager
+def kernels(enabled: bool):
+    """Run the enclosed model code with the C++ kernels (when they built) or without."""
     global _kernels
-    if enabled:
-        from tokenmill.kernels import load_cpu_kernels
+    from tokenmill.kernels import load_cpu_kernels
 
-        _kernels = load_cpu_kernels()
-    else:
-        _kernels = None
-    return _kernels is not None
-
-
-def kernels_active() -> bool:
-    return _kernels is not None
+    previous, _kernels = _kernels, load_cpu_kernels() if enabled else None
+    try:
+        yield _kernels is not None
+    finally:
+        _kernels = previous
 
 
 def _fast(x: torch.Tensor) -> bool:
