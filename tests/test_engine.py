@@ -179,3 +179,19 @@ def test_prompt_logprobs_and_logprobs(tiny_llama):
     first = out.outputs[0].logprobs[0]
     token = out.outputs[0].token_ids[0]
     assert first[token].rank == 1 and len(first) == 3  # greedy: chosen token is the top one
+
+
+def test_every_step_tensor_is_created_on_the_engine_device(tiny_llama):
+    """CUDA readiness, checked on CPU: under a `meta` default device, any tensor the engine
+    creates without an explicit device= lands on meta and the step fails when it meets the
+    model's CPU tensors. Covers prefill chunks, decode, sampling filters, seeds, penalties,
+    logprobs, prompt logprobs and n > 1."""
+    import torch
+
+    llm = LLM(str(tiny_llama[0]), dtype="float32", max_num_batched_tokens=16)
+    params = SamplingParams(n=2, temperature=0.7, top_k=5, top_p=0.9, min_p=0.05, seed=3,
+                            presence_penalty=0.5, repetition_penalty=1.2, max_tokens=5,
+                            logprobs=2, prompt_logprobs=1)
+    with torch.device("meta"):
+        outs = run(llm, [[1, 2, 3], list(range(40))], params)
+    assert all(len(c.token_ids) == 5 for o in outs for c in o.outputs)

@@ -7,6 +7,8 @@ import importlib
 
 SUBCOMMANDS = [
     "tokenmill.bench.serve",
+    "tokenmill.bench.latency",
+    "tokenmill.bench.throughput",
 ]
 
 

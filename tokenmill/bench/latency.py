@@ -1,0 +1,58 @@
+"""`tokenmill bench latency`: one request at a time. Prefill speed (TTFT), decode speed (mean
+inter-token latency, tokens/s) and the memory bandwidth the decode achieves (weight bytes read
+per token / ITL). Prints a table, then one JSON line."""
+
+from __future__ import annotations
+
+import random
+import statistics
+
+
+def add_parser(sub) -> None:
+    from tokenmill.bench.offline import add_model_args
+    from tokenmill.commands.common import DEFAULT_MODEL
+
+    p = sub.add_parser("latency", help="single-stream TTFT, ITL, tok/s and achieved GB/s")
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-iters", type=int, default=3, help="measured runs (after a warm-up)")
+    add_model_args(p, DEFAULT_MODEL)
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from tokenmill import SamplingParams
+    from tokenmill.bench.offline import emit, make_llm, random_prompt, weight_bytes_per_token
+
+    llm = make_llm(args, max_num_seqs=1,
+                   max_model_len=args.max_model_len or args.input_len + args.output_len + 16)
+    engine = llm.engine
+    rng = random.Random(args.seed)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    vocab = engine.model_config.vocab_size
+    llm.generate(random_prompt(rng, vocab, args.input_len), params, use_tqdm=False)  # warm-up
+    runs = []
+    for _ in range(args.num_iters):
+        out = llm.generate(random_prompt(rng, vocab, args.input_len), params, use_tqdm=False)[0]
+        m = out.metrics
+        runs.append((m.time_to_first_token, m.mean_inter_token_latency, m.e2e_latency))
+    ttft = statistics.median(r[0] for r in runs)
+    itl = statistics.median(r[1] for r in runs)
+    e2e = statistics.median(r[2] for r in runs)
+    weights = weight_bytes_per_token(engine.runner.model)
+    result = {
+        "benchmark": "latency", "model": args.model, "dtype": str(engine.dtype).split(".")[-1],
+        "kernels": engine.runner.kernels, "input_len": args.input_len,
+        "output_len": args.output_len, "ttft_s": ttft, "prefill_tok_s": args.input_len / ttft,
+        "itl_s": itl, "decode_tok_s": 1.0 / itl, "e2e_s": e2e,
+        "weight_bytes_per_token": weights, "achieved_gb_s": weights / itl / 1e9,
+    }
+    print(f"model {args.model} ({result['dtype']}, kernels {'on' if result['kernels'] else 'off'}), "
+          f"prompt {args.input_len}, output {args.output_len}, median of {args.num_iters}")
+    print(f"  TTFT            {ttft * 1e3:9.1f} ms   ({result['prefill_tok_s']:.0f} prompt tok/s)")
+    print(f"  mean ITL        {itl * 1e3:9.2f} ms   ({result['decode_tok_s']:.1f} tok/s)")
+    print(f"  end to end      {e2e:9.2f} s")
+    print(f"  weights/token   {weights / 2**20:9.1f} MiB  -> {result['achieved_gb_s']:.1f} GB/s "
+          "achieved in decode")
+    emit(result)
+    return 0

@@ -1,0 +1,50 @@
+"""Helpers for the offline benchmarks: engine arguments, random prompts, weight bytes."""
+
+from __future__ import annotations
+
+import json
+import random
+
+
+def add_model_args(p, default_model: str) -> None:
+    from tokenmill.commands.common import add_engine_args
+
+    p.add_argument("model", nargs="?", default=default_model,
+                   help=f"model path or name (default: {default_model})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-kernels", action="store_true", help="PyTorch reference ops only")
+    add_engine_args(p)
+
+
+def make_llm(args, **overrides):
+    from tokenmill import LLM
+    from tokenmill.commands.common import engine_kwargs
+
+    kwargs = {**engine_kwargs(args), "use_kernels": not args.no_kernels, **overrides}
+    return LLM(args.model, **kwargs)
+
+
+def random_prompt(rng: random.Random, vocab: int, length: int) -> dict:
+    """Random token ids (skipping the low ids where special tokens usually live)."""
+    low = min(100, vocab // 2)
+    return {"prompt_token_ids": [rng.randrange(low, vocab) for _ in range(length)]}
+
+
+def weight_bytes_per_token(model) -> int:
+    """Bytes a decode step must read: every matmul weight (the LM head included, even when it
+    shares the embedding table) plus norms; the embedding lookup reads one row only."""
+    seen, total = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or name.endswith("embed_tokens.weight") and not _tied(model):
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+    return total
+
+
+def _tied(model) -> bool:
+    return bool(getattr(model.config, "tie_word_embeddings", False))
+
+
+def emit(result: dict) -> None:
+    print(json.dumps(result, sort_keys=True))
