@@ -1,0 +1,72 @@
+"""This machine's physical limits: memory read bandwidth and matmul FLOP/s (float32 via MKL,
+bfloat16 via PyTorch), and what they imply for a model: decode cannot beat
+weight-bytes-per-token / bandwidth, prefill cannot beat 2 x params x tokens / FLOP/s.
+
+    python benchmarks/hw_limits.py [--threads 2]
+Prints a table and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def best_time(fn, repeats: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]  # median: this machine is shared and noisy
+
+
+def read_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Bytes/s of summing a buffer 32x larger than the L3 cache."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / best_time(lambda: x.sum())
+
+
+def matmul_flops(dtype: torch.dtype, n: int = 1536) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / best_time(lambda: a @ b, repeats=5)
+
+
+def measure() -> dict:
+    return {
+        "threads": torch.get_num_threads(),
+        "read_gb_s": read_bandwidth() / 1e9,
+        "fp32_gflop_s": matmul_flops(torch.float32) / 1e9,
+        "bf16_gflop_s": matmul_flops(torch.bfloat16, n=512) / 1e9,
+    }
+
+
+def decode_limit_tok_s(limits: dict, weight_bytes_per_token: int) -> float:
+    return limits["read_gb_s"] * 1e9 / weight_bytes_per_token
+
+
+def prefill_limit_tok_s(limits: dict, matmul_params: int) -> float:
+    best = max(limits["fp32_gflop_s"], limits["bf16_gflop_s"])
+    return best * 1e9 / (2 * matmul_params)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    limits = measure()
+    print(f"threads                {limits['threads']}")
+    print(f"memory read bandwidth  {limits['read_gb_s']:8.1f} GB/s")
+    print(f"float32 matmul (MKL)   {limits['fp32_gflop_s']:8.1f} GFLOP/s")
+    print(f"bfloat16 matmul        {limits['bf16_gflop_s']:8.1f} GFLOP/s (PyTorch; no AVX-512 BF16 "
+          "here means a slow emulated path)")
+    print(json.dumps({"benchmark": "hw_limits", **limits}, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

