@@ -1,0 +1,74 @@
+"""llama2.c checkpoints and tokenizer files: stories260K reproduces llama2.c's golden output."""
+
+from __future__ import annotations
+
+import re
+import struct
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.loaders.llama2c import is_llama2c_checkpoint, load_llama2c
+from tokenmill.loaders.llama2c_tokenizer import load_llama2c_tokenizer
+
+
+@pytest.fixture(scope="module")
+def stories(fixtures):
+    d = fixtures / "stories260K"
+    return LLM(str(d / "stories260K.bin"), tokenizer=str(d / "tok512.bin"), dtype="float32")
+
+
+def golden_text(fixtures) -> str:
+    readme = (fixtures / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"decoded text exactly:\n\n```\n(.*?)```", readme, re.S).group(1)
+    return block[:-1]  # the fence's own line break (run.c ends its output with a newline)
+
+
+def test_golden_greedy_from_bos(stories, fixtures):
+    # run.c forwards 200 positions (BOS at 0) and prints the token sampled at each: 200 tokens.
+    out = stories.generate({"prompt_token_ids": [1]},
+                           SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.token_ids) == 200
+    assert completion.text == golden_text(fixtures)
+
+
+def test_tokenizer_matches_readme(stories):
+    assert stories.tokenizer.encode("Once upon a time") == [1, 403, 407, 261, 378]
+    assert stories.tokenizer.decode([1, 403, 407, 261, 378]) == "Once upon a time"
+
+
+def test_tokenizer_matches_sentencepiece(fixtures):
+    """The tok512.bin vocabulary rebuilt as BPE encodes like the original SentencePiece model.
+
+    Texts avoid leading, trailing and repeated spaces: tok512.model collapses those
+    (remove_extra_whitespaces), while llama2.c's run.c and llama.cpp keep every space."""
+    spm = pytest.importorskip("sentencepiece")
+    sp = spm.SentencePieceProcessor(model_file=str(fixtures / "stories260K" / "tok512.model"))
+    tok = load_llama2c_tokenizer(str(fixtures / "stories260K" / "tok512.bin"))
+    texts = [golden_text(fixtures), "Hello world", "tabs\tand\nnewlines\n", "x" * 40, "",
+             "Ünïcödé ∑ 🦙 日本語", "don't stop-believing!!", "Lily's mom said, \"No.\""]
+    for text in texts:
+        assert tok.encode(text, add_special_tokens=False) == sp.encode(text), text
+        assert tok.decode(sp.encode(text)) == sp.decode(sp.encode(text)), text
+
+
+def test_checkpoint_detection_and_errors(fixtures, tmp_path):
+    path = fixtures / "stories260K" / "stories260K.bin"
+    assert is_llama2c_checkpoint(str(path))
+    assert not is_llama2c_checkpoint(str(fixtures / "stories260K" / "tok512.bin"))
+    truncated = tmp_path / "truncated.bin"
+    truncated.write_bytes(path.read_bytes()[:50_000])
+    with pytest.raises(ValueError, match="header implies"):
+        load_llama2c(str(truncated), "auto", "cpu", None)
+    garbage = tmp_path / "garbage.bin"
+    garbage.write_bytes(struct.pack("<7i", -5, 1, 1, 1, 1, 1, 1) + b"\0" * 64)
+    with pytest.raises(ValueError, match="not a llama2.c checkpoint"):
+        load_llama2c(str(garbage), "auto", "cpu", None)
+
+
+def test_bad_tokenizer_file(tmp_path):
+    bad = tmp_path / "tok.bin"
+    bad.write_bytes(struct.pack("<ifi", 4, 0.0, 99) + b"abc")  # a length past the end
+    with pytest.raises(ValueError, match="not a llama2.c tokenizer"):
+        load_llama2c_tokenizer(str(bad))
