@@ -72,3 +72,14 @@ def test_bad_tokenizer_file(tmp_path):
     bad.write_bytes(struct.pack("<ifi", 4, 0.0, 99) + b"abc")  # a length past the end
     with pytest.raises(ValueError, match="not a llama2.c tokenizer"):
         load_llama2c_tokenizer(str(bad))
+
+
+def test_tokenizer_found_next_to_checkpoint(fixtures):
+    """llama2.c names a custom tokenizer tok{vocab}.bin: tok512.bin sits beside stories260K."""
+    llm = LLM(str(fixtures / "stories260K" / "stories260K.bin"), max_num_seqs=1)
+    assert llm.tokenizer is not None
+    out = llm.generate("Once upon a time", SamplingParams(temperature=0, max_tokens=8),
+                       use_tqdm=False)[0]
+    assert out.prompt_token_ids == [1, 403, 407, 261, 378]
+    text = out.outputs[0].text
+    assert len(text) > 10 and golden_text(fixtures).startswith("Once upon a time" + text)

@@ -23,8 +23,9 @@ def resolve_model(name_or_path: str) -> str:
 
 
 def load_tokenizer(path: str, model_config: ModelConfig) -> Tokenizer | None:
-    """The tokenizer at path: a model folder, a tokenizer.json, a .gguf file (its metadata), or
-    a llama2.c tokenizer .bin. None when there is none (e.g. a llama2.c checkpoint itself)."""
+    """The tokenizer at path: a model folder, a tokenizer.json, a .gguf file (its metadata), a
+    llama2.c tokenizer .bin, or for a llama2.c checkpoint the tokenizer file beside it. None
+    when there is none."""
     if os.path.isdir(path):
         tok = Tokenizer.from_folder(path)
         if tok is not None:  # generation_config.json may add more end-of-turn ids
@@ -43,8 +44,18 @@ def load_tokenizer(path: str, model_config: ModelConfig) -> Tokenizer | None:
     from tokenmill.loaders.llama2c_tokenizer import load_llama2c_tokenizer
 
     if is_llama2c_checkpoint(path):
-        return None  # llama2.c keeps its tokenizer in a separate file: pass tokenizer=
+        sibling = _llama2c_tokenizer_next_to(path, model_config.vocab_size)
+        return load_llama2c_tokenizer(sibling) if sibling else None
     return load_llama2c_tokenizer(path)
+
+
+def _llama2c_tokenizer_next_to(path: str, vocab_size: int) -> str | None:
+    """llama2.c names a custom tokenizer tok{vocab_size}.bin and Llama 2's own (32000 tokens)
+    tokenizer.bin; one of those next to the checkpoint is its tokenizer."""
+    names = [f"tok{vocab_size}.bin"] + (["tokenizer.bin"] if vocab_size == 32000 else [])
+    folder = os.path.dirname(os.path.abspath(path))
+    return next((os.path.join(folder, n) for n in names
+                 if os.path.isfile(os.path.join(folder, n))), None)
 
 
 def _is_gguf(path: str) -> bool:
