@@ -6,6 +6,11 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# One PyTorch thread unless told otherwise: the models here are tiny or small, and on a busy
+# 2-core machine OpenMP's spin-waiting made 2 threads up to 7x slower than 1 (measured).
+torch.set_num_threads(int(os.environ.get("TOKENMILL_TEST_THREADS", "1")))
 
 
 def fixtures_dir() -> Path | None:
