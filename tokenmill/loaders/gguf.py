@@ -70,9 +70,14 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
 
     def meta(key, default=None):
         value = field_value(reader, f"{arch}.{key}", default)
-        if value is None:
-            raise ValueError(f"GGUF metadata {arch}.{key} is missing")
+        if isinstance(value, list) and len(set(value)) == 1:
+            value = value[0]  # a per-layer array with one value for all layers
+        if value is None or isinstance(value, list):
+            raise ValueError(f"GGUF metadata {arch}.{key} is missing or varies per layer")
         return value
+
+    if meta("expert_count", 0):
+        raise ValueError("mixture-of-experts GGUF files are not supported")
 
     heads, hidden = meta("attention.head_count"), meta("embedding_length")
     head_dim = meta("attention.key_length", hidden // heads)
@@ -117,7 +122,10 @@ def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
 def dequantize_tensor(data: np.ndarray, qtype: int, name: str) -> torch.Tensor:
     """GGUF tensor bytes -> float32 tensor in PyTorch's (rows, cols) order."""
     if qtype not in SUPPORTED_TYPES:
-        qname = _Q(qtype).name if qtype in _Q._value2member_map_ else str(qtype)
+        try:
+            qname = _Q(qtype).name
+        except ValueError:
+            qname = str(qtype)
         raise ValueError(f"GGUF tensor {name!r} has type {qname}, which tokenmill cannot load; "
                          f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
     # a plain ndarray view: slicing np.memmap objects row by row is several times slower
