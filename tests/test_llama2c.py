@@ -5,8 +5,11 @@ from __future__ import annotations
 import re
 import struct
 
+import numpy as np
 import pytest
+import torch
 
+from tests.gguf_util import llama_cpp_permute
 from tokenmill import LLM, SamplingParams
 from tokenmill.loaders.llama2c import is_llama2c_checkpoint, load_llama2c
 from tokenmill.loaders.llama2c_tokenizer import load_llama2c_tokenizer
@@ -83,3 +86,44 @@ def test_tokenizer_found_next_to_checkpoint(fixtures):
     assert out.prompt_token_ids == [1, 403, 407, 261, 378]
     text = out.outputs[0].text
     assert len(text) > 10 and golden_text(fixtures).startswith("Once upon a time" + text)
+
+
+def write_llama2c(path, model) -> None:
+    """A llama2.c legacy checkpoint with an unshared classifier (negative vocab size), written
+    like llama2.c's export.py: Meta's interleaved Q/K rows, per-layer arrays stacked."""
+    c, sd = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
+    layers = range(c.num_hidden_layers)
+
+    def stack(name, heads=None):
+        arrays = [sd[f"model.layers.{i}.{name}.weight"] for i in layers]
+        return np.stack([llama_cpp_permute(a, heads) if heads else a for a in arrays])
+
+    head = c.hidden_size // c.num_attention_heads
+    parts = [sd["model.embed_tokens.weight"], stack("input_layernorm"),
+             stack("self_attn.q_proj", c.num_attention_heads),
+             stack("self_attn.k_proj", c.num_key_value_heads), stack("self_attn.v_proj"),
+             stack("self_attn.o_proj"), stack("post_attention_layernorm"),
+             stack("mlp.gate_proj"), stack("mlp.down_proj"), stack("mlp.up_proj"),
+             sd["model.norm.weight"], np.zeros((2, c.max_position_embeddings, head // 2)),
+             sd["lm_head.weight"]]
+    header = struct.pack("<7i", c.hidden_size, c.intermediate_size, c.num_hidden_layers,
+                         c.num_attention_heads, c.num_key_value_heads, -c.vocab_size,
+                         c.max_position_embeddings)
+    path.write_bytes(header + b"".join(p.astype("<f4").tobytes() for p in parts))
+
+
+def test_unshared_classifier_checkpoint_matches_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(config).eval()
+    write_llama2c(tmp_path / "m.bin", model)
+    assert is_llama2c_checkpoint(str(tmp_path / "m.bin"))
+    ids = [1, 5, 60, 7, 33, 2, 90]
+    ours = LLM(str(tmp_path / "m.bin"), max_num_seqs=1).engine.compute_logits(ids)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-4
