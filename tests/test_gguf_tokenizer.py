@@ -95,3 +95,10 @@ def test_unknown_pre_tokenizer_is_a_clear_error(vocabs):
     vocab = dataclasses.replace(vocabs["ggml-vocab-gpt-2.gguf"], pre="made-up")
     with pytest.raises(ValueError, match="pre-tokenizer 'made-up' is not supported"):
         build_tokenizer(vocab)
+
+
+def test_inconsistent_metadata_is_a_clear_error(vocabs):
+    spm = vocabs["ggml-vocab-llama-spm.gguf"]
+    vocab = dataclasses.replace(spm, scores=spm.scores[:-1])
+    with pytest.raises(ValueError, match="32000 tokens but 31999 token scores"):
+        build_tokenizer(vocab)

@@ -58,6 +58,13 @@ class Vocab:
     chat_template: str | None = None
     extra_eos_ids: list[int] = field(default_factory=list)
 
+    def validate(self) -> None:
+        for name in ("types", "scores"):
+            values = getattr(self, name)
+            if values is not None and len(values) != len(self.tokens):
+                raise ValueError(f"the vocabulary has {len(self.tokens)} tokens but "
+                                 f"{len(values)} token {name}")
+
     def type_of(self, token_id: int) -> int:
         return self.types[token_id] if self.types else NORMAL
 
@@ -69,6 +76,7 @@ class Vocab:
 
 def build_tokenizer(vocab: Vocab) -> Tokenizer:
     """A tokenmill Tokenizer for the vocabulary (the backend does all encoding in Rust)."""
+    vocab.validate()
     if vocab.kind == "llama":
         backend = sentencepiece_backend(vocab)
     elif vocab.kind == "gpt2":
