@@ -121,3 +121,12 @@ def test_tensor_names():
     assert hf_name("output.weight") == "lm_head.weight"
     with pytest.raises(ValueError, match="'blk.0.ssm_a' is not supported"):
         hf_name("blk.0.ssm_a")
+
+
+def test_truncated_file_is_a_clear_error(tmp_path):
+    model = tiny("llama", tie=True)
+    write_gguf(tmp_path / "m.gguf", "llama", model.config, model.state_dict())
+    data = (tmp_path / "m.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:-1000])  # inside the last tensor's data
+    with pytest.raises(ValueError, match="cut.gguf.* (is not a valid GGUF file|is truncated)"):
+        load_gguf(str(tmp_path / "cut.gguf"), "auto", torch.device("cpu"), None)
