@@ -15,6 +15,10 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+
+# One PyTorch thread unless told otherwise: the models here are tiny or small, and on a busy
+# 2-core machine OpenMP's spin-waiting made 2 threads up to 7x slower than 1 (measured).
+torch.set_num_threads(int(os.environ.get("TOKENMILL_TEST_THREADS", "1")))
 EOS = "<|endoftext|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

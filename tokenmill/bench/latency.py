@@ -47,7 +47,8 @@ def run(args) -> int:
         "itl_s": itl, "decode_tok_s": 1.0 / itl, "e2e_s": e2e,
         "weight_bytes_per_token": weights, "achieved_gb_s": weights / itl / 1e9,
     }
-    print(f"model {args.model} ({result['dtype']}, kernels {'on' if result['kernels'] else 'off'}), "
+    kernels = "on" if result["kernels"] else "off"
+    print(f"model {args.model} ({result['dtype']}, kernels {kernels}), "
           f"prompt {args.input_len}, output {args.output_len}, median of {args.num_iters}")
     print(f"  TTFT            {ttft * 1e3:9.1f} ms   ({result['prefill_tok_s']:.0f} prompt tok/s)")
     print(f"  mean ITL        {itl * 1e3:9.2f} ms   ({result['decode_tok_s']:.1f} tok/s)")

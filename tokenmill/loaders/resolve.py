@@ -9,25 +9,58 @@ from tokenmill.tokenizer import Tokenizer
 
 
 def resolve_model(name_or_path: str) -> str:
+    """An existing path as is; a known model name -> its cached file (pulled on first use)."""
     if os.path.exists(name_or_path):
         return name_or_path
+    from tokenmill import hub
+
+    if name_or_path in hub.KNOWN_MODELS:
+        return hub.ensure(name_or_path)
     raise FileNotFoundError(
-        f"model {name_or_path!r} not found: give a Hugging Face folder, a .gguf file or a "
-        "llama2.c .bin file"
+        f"model {name_or_path!r} not found: give a Hugging Face folder, a .gguf file, a "
+        f"llama2.c .bin file, or a known model name ({', '.join(hub.KNOWN_MODELS)})"
     )
 
 
 def load_tokenizer(path: str, model_config: ModelConfig) -> Tokenizer | None:
-    """The tokenizer that belongs to a model path (None when there is none)."""
+    """The tokenizer at path: a model folder, a tokenizer.json, a .gguf file (its metadata), a
+    llama2.c tokenizer .bin, or for a llama2.c checkpoint the tokenizer file beside it. None
+    when there is none."""
     if os.path.isdir(path):
         tok = Tokenizer.from_folder(path)
         if tok is not None:  # generation_config.json may add more end-of-turn ids
             tok.eos_token_ids += [t for t in model_config.eos_token_ids
                                   if t not in tok.eos_token_ids]
         return tok
-    if os.path.isfile(path) and path.endswith(".json"):
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"tokenizer {path!r} not found")
+    if path.endswith(".json"):
         return Tokenizer.from_folder(os.path.dirname(path))
-    return None
+    if _is_gguf(path):
+        from tokenmill.loaders.gguf_tokenizer import load_gguf_tokenizer
+
+        return load_gguf_tokenizer(path)
+    from tokenmill.loaders.llama2c import is_llama2c_checkpoint
+    from tokenmill.loaders.llama2c_tokenizer import load_llama2c_tokenizer
+
+    if is_llama2c_checkpoint(path):
+        sibling = _llama2c_tokenizer_next_to(path, model_config.vocab_size)
+        return load_llama2c_tokenizer(sibling) if sibling else None
+    return load_llama2c_tokenizer(path)
+
+
+def _llama2c_tokenizer_next_to(path: str, vocab_size: int) -> str | None:
+    """llama2.c names a custom tokenizer tok{vocab_size}.bin and Llama 2's own (32000 tokens)
+    tokenizer.bin; one of those next to the checkpoint is its tokenizer."""
+    names = [f"tok{vocab_size}.bin"] + (["tokenizer.bin"] if vocab_size == 32000 else [])
+    folder = os.path.dirname(os.path.abspath(path))
+    return next((os.path.join(folder, n) for n in names
+                 if os.path.isfile(os.path.join(folder, n))), None)
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def read_model_config(path: str) -> ModelConfig:
@@ -39,4 +72,11 @@ def read_model_config(path: str) -> ModelConfig:
         from tokenmill.loaders.hf import read_hf_config
 
         return read_hf_config(path)
-    raise ValueError(f"cannot read the configuration of a {fmt} model without loading it")
+    if fmt == "gguf":
+        from tokenmill.loaders.gguf import gguf_config
+        from tokenmill.loaders.gguf_file import open_gguf
+
+        return gguf_config(open_gguf(path))
+    from tokenmill.loaders.llama2c import llama2c_config, read_header
+
+    return llama2c_config(read_header(path))

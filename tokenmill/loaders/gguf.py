@@ -1,0 +1,157 @@
+"""GGUF model files (llama.cpp's format) for the `llama` and `qwen2` architectures.
+
+Hyperparameters come from the `{arch}.*` metadata; tensors are renamed to Hugging Face names and
+dequantized at load to the engine dtype (quantized execution is future work). dtype="auto" means
+float32: the weights were quantized from bf16/fp16 already, and float32 keeps the dequantized
+values exact, so outputs match llama.cpp/transformers as closely as possible.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from torch import nn
+
+from tokenmill.loaders import build_model, resolve_dtype
+from tokenmill.loaders.gguf_file import field_value, open_gguf
+from tokenmill.loaders.permute import unpermute_rope_rows
+from tokenmill.models.config import ModelConfig
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+_Q = GGMLQuantizationType
+SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1,
+                   _Q.Q4_K, _Q.Q5_K, _Q.Q6_K)
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def hf_name(gguf_name: str) -> str:
+    """'blk.0.attn_q.weight' -> 'model.layers.0.self_attn.q_proj.weight'."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_TENSOR.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    raise ValueError(f"GGUF tensor {gguf_name!r} is not supported by tokenmill")
+
+
+def gguf_config(reader: GGUFReader) -> ModelConfig:
+    """ModelConfig from the `{arch}.*` metadata keys."""
+    arch = field_value(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(ARCHITECTURES)}")
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError("GGUF files with rope_freqs (Llama 3.1-style RoPE scaling) are not "
+                         "supported yet")
+
+    def meta(key, default=None):
+        value = field_value(reader, f"{arch}.{key}", default)
+        if isinstance(value, list) and len(set(value)) == 1:
+            value = value[0]  # a per-layer array with one value for all layers
+        if value is None or isinstance(value, list):
+            raise ValueError(f"GGUF metadata {arch}.{key} is missing or varies per layer")
+        return value
+
+    if meta("expert_count", 0):
+        raise ValueError("mixture-of-experts GGUF files are not supported")
+
+    heads, hidden = meta("attention.head_count"), meta("embedding_length")
+    head_dim = meta("attention.key_length", hidden // heads)
+    if meta("rope.dimension_count", head_dim) != head_dim:
+        raise ValueError("GGUF models with partial rotary embeddings are not supported")
+    tokens = field_value(reader, "tokenizer.ggml.tokens")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    # token_embd's shape is (hidden, vocab) in GGUF's fastest-dimension-first order
+    vocab = field_value(reader, f"{arch}.vocab_size") or (
+        int(embed.shape[-1]) if embed is not None else len(tokens or ()))
+    eos = field_value(reader, "tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=ARCHITECTURES[arch],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=meta("feed_forward_length"),
+        num_hidden_layers=meta("block_count"),
+        num_attention_heads=heads,
+        num_key_value_heads=meta("attention.head_count_kv", heads),
+        head_dim=head_dim,
+        max_position_embeddings=meta("context_length", 2048),
+        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=meta("rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(reader, arch),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias=arch == "qwen2",
+        torch_dtype="float32",
+        bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[eos] if eos is not None else [],
+    )
+
+
+def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
+    kind = field_value(reader, f"{arch}.rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": field_value(reader, f"{arch}.rope.scaling.factor")}
+    raise ValueError(f"GGUF rope scaling {kind!r} is not supported (only none, linear)")
+
+
+def dequantize_tensor(data: np.ndarray, qtype: int, name: str) -> torch.Tensor:
+    """GGUF tensor bytes -> float32 tensor in PyTorch's (rows, cols) order."""
+    if qtype not in SUPPORTED_TYPES:
+        try:
+            qname = _Q(qtype).name
+        except ValueError:
+            qname = str(qtype)
+        raise ValueError(f"GGUF tensor {name!r} has type {qname}, which tokenmill cannot load; "
+                         f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
+    # a plain ndarray view: slicing np.memmap objects row by row is several times slower
+    values = np.ascontiguousarray(dequantize(np.asarray(data), qtype), dtype=np.float32)
+    if not values.flags.writeable:  # float32 tensors come back as views of the mapped file
+        values = values.copy()
+    return torch.from_numpy(values)
+
+
+def gguf_weights(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    permute = cfg.architecture == "LlamaForCausalLM"
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        tensor = dequantize_tensor(t.data, t.tensor_type, t.name)
+        if permute and ".q_proj." in name:
+            tensor = unpermute_rope_rows(tensor, cfg.num_attention_heads)
+        elif permute and ".k_proj." in name:
+            tensor = unpermute_rope_rows(tensor, cfg.num_key_value_heads)
+        yield name, tensor
+
+
+def load_gguf(path: str, dtype: str, device: torch.device,
+              max_positions: int | None) -> tuple[nn.Module, ModelConfig, torch.dtype]:
+    reader = open_gguf(path)
+    cfg = gguf_config(reader)
+    torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
+    model = build_model(cfg, torch_dtype, device, max_positions or cfg.max_position_embeddings)
+    model.load_weights(gguf_weights(reader, cfg))
+    return model, cfg, torch_dtype

@@ -1,0 +1,119 @@
+"""GPT-2: learned position embeddings, pre-LayerNorm blocks, fused QKV, GELU-tanh MLP, tied head.
+
+Module and parameter names mirror Hugging Face's GPT2LMHeadModel. HF stores c_attn/c_proj/c_fc
+as Conv1D with (in, out) weights; they are transposed at load into nn.Linear's (out, in).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.layers.attention import AttentionContext, PagedAttention
+from tokenmill.models.config import ModelConfig
+from tokenmill.models.llama import load_by_name
+
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        hidden = cfg.hidden_size
+        self.c_attn = nn.Linear(hidden, 3 * hidden)
+        self.c_proj = nn.Linear(hidden, hidden)
+        self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, layer_idx)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.c_attn(x).split(x.shape[-1], dim=-1)
+        shape = (tokens, self.num_heads, self.head_dim)  # (tokens, heads, head_dim)
+        out = self.attn(q.view(shape), k.view(shape), v.view(shape), ctx)
+        return self.c_proj(out.reshape(tokens, -1))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if cfg.hidden_act not in (*_GELU_TANH, "gelu"):
+            raise ValueError(f"GPT-2 activation {cfg.hidden_act!r} is not supported")
+        self.approximate = "tanh" if cfg.hidden_act in _GELU_TANH else "none"
+        self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.attn = GPT2Attention(cfg, layer_idx)
+        self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.mlp = GPT2MLP(cfg)
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), ctx)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+
+    def forward(self, input_ids, positions, ctx) -> torch.Tensor:
+        x = self.wte(input_ids) + self.wpe(positions)  # (tokens, hidden)
+        for block in self.h:
+            x = block(x, ctx)
+        return self.ln_f(x)
+
+
+class GPT2LMHeadModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        if max_positions is not None and max_positions > cfg.max_position_embeddings:
+            raise ValueError(f"GPT-2 has learned positions up to {cfg.max_position_embeddings}, "
+                             f"asked for {max_positions}")
+        self.config = cfg
+        self.transformer = GPT2Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        self.lm_head.weight = self.transformer.wte.weight  # GPT-2's head is always tied
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        return self.transformer(input_ids, positions, ctx)  # (tokens, hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()  # (rows, vocab)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_by_name(self, _hf_gpt2_names(weights))
+
+
+def _hf_gpt2_names(weights) -> Iterator[tuple[str, torch.Tensor]]:
+    """Checkpoint names -> this module's names, Conv1D weights transposed; the causal-mask
+    buffers old checkpoints carry are dropped."""
+    for name, tensor in weights:
+        if not name.startswith(("transformer.", "lm_head.")):
+            name = "transformer." + name  # the original OpenAI checkpoints have no prefix
+        if name.endswith(".attn.masked_bias") or (name.endswith(".attn.bias") and tensor.dim() > 1):
+            continue
+        if name == "lm_head.weight":
+            name = "transformer.wte.weight"  # tied: the head is the embedding
+        if name.endswith(_CONV1D):
+            tensor = tensor.t()
+        yield name, tensor
