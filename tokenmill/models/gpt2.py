@@ -14,7 +14,7 @@ from torch import nn
 
 from tokenmill.layers.attention import AttentionContext, PagedAttention
 from tokenmill.models.config import ModelConfig
-from tokenmill.models.llama import load_by_name
+from tokenmill.models.loading import load_packed
 
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -101,7 +101,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.lm_head(hidden).float()  # (rows, vocab)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_by_name(self, _hf_gpt2_names(weights))
+        load_packed(self, _hf_gpt2_names(weights))
 
 
 def _hf_gpt2_names(weights) -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,7 +17,7 @@ def load_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     for name, tensor in weights:
         if name.endswith("rotary_emb.inv_freq"):
             continue
-        if tied and name == "lm_head.weight":
+        if tied and name == "lm_head.weight" and "model.embed_tokens.weight" in params:
             name = "model.embed_tokens.weight"
         target, shard = _packed_target(name, packed or {})
         if target not in params:
