@@ -42,7 +42,8 @@ def hf_logits(model, ids=IDS) -> torch.Tensor:
 
 
 def our_logits(path, ids=IDS) -> torch.Tensor:
-    return LLM(str(path), max_model_len=64, max_num_seqs=1).engine.compute_logits(ids)
+    return LLM(str(path), dtype="float32", max_model_len=64,
+               max_num_seqs=1).engine.compute_logits(ids)
 
 
 @pytest.mark.parametrize("arch,tie", [("llama", False), ("llama", True), ("qwen2", False)])
@@ -130,3 +131,17 @@ def test_truncated_file_is_a_clear_error(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(data[:-1000])  # inside the last tensor's data
     with pytest.raises(ValueError, match="cut.gguf.* (is not a valid GGUF file|is truncated)"):
         load_gguf(str(tmp_path / "cut.gguf"), "auto", torch.device("cpu"), None)
+
+
+def test_auto_dtype_follows_the_weights(tmp_path):
+    """A quantized file runs in bfloat16 where the CPU kernels are available (else float32);
+    an all-F32 file stays float32."""
+    from tokenmill.layers import ops
+
+    model = tiny("llama", tie=False)
+    write_gguf(tmp_path / "q.gguf", "llama", model.config, model.state_dict(), QUANT_MIX)
+    write_gguf(tmp_path / "f.gguf", "llama", model.config, model.state_dict())
+    quantized = LLM(str(tmp_path / "q.gguf"), max_model_len=64, max_num_seqs=1).engine.dtype
+    assert quantized == (torch.bfloat16 if ops.available() else torch.float32)
+    assert LLM(str(tmp_path / "f.gguf"), max_model_len=64, max_num_seqs=1).engine.dtype \
+        == torch.float32

@@ -15,8 +15,11 @@ from tokenmill.models.config import ModelConfig
 
 logger = logging.getLogger("tokenmill")
 
-# Share of free memory the cache may take when no kv_cache_memory is given.
+# Without kv_cache_memory the cache may take this share of free memory, and on CPU at most
+# DEFAULT_CPU_KV_BYTES (vLLM's CPU backend defaults to 4 GiB too): zeroing and holding much more
+# than a workload needs costs seconds at start-up and RAM other programs want.
 DEFAULT_MEMORY_FRACTION = 0.5
+DEFAULT_CPU_KV_BYTES = 4 * 2**30
 DEFAULT_CHUNK_TOKENS = 2048
 
 
@@ -89,10 +92,15 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
             )
     else:
         wanted = config.max_num_seqs * -(-max_len // bs)
-        cap = int(available_memory(device) * DEFAULT_MEMORY_FRACTION) // block_bytes
+        budget = int(available_memory(device) * DEFAULT_MEMORY_FRACTION)
+        if device.type == "cpu":
+            budget = min(budget, DEFAULT_CPU_KV_BYTES)
+        cap = budget // block_bytes
         num_blocks = max(1, min(wanted, cap))
         if cap < wanted:
-            logger.warning("KV cache capped at %d blocks by free memory (wanted %d)", cap, wanted)
+            logger.info("KV cache capped at %d blocks (%.1f GiB; max_num_seqs x max_model_len "
+                        "would need %d): pass kv_cache_memory to change it", cap,
+                        cap * block_bytes / 2**30, wanted)
     if num_blocks * bs < max_len:
         logger.warning("max_model_len lowered from %d to %d: the KV cache holds only %d tokens",
                        max_len, num_blocks * bs, num_blocks * bs)

@@ -20,13 +20,17 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def resolve_dtype(
     requested: str, checkpoint_dtype: str | None, device: torch.device
 ) -> torch.dtype:
-    """'auto' keeps the checkpoint's float type (float32 when unknown); float16 runs as bfloat16
-    on CPU, where half-precision matmuls are slow."""
+    """'auto' keeps the checkpoint's float type (float32 when unknown). On CPU a 16-bit
+    checkpoint runs as bfloat16 when tokenmill's CPU kernels are available (they stream bf16
+    weights at memory speed) and as float32 otherwise (PyTorch's bf16/fp16 CPU matmuls are
+    slow without AVX-512)."""
     if requested != "auto":
         return _DTYPES[requested]
     dtype = _DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
-    if dtype == torch.float16 and device.type == "cpu":
-        return torch.bfloat16
+    if dtype != torch.float32 and device.type == "cpu":
+        from tokenmill.layers import ops
+
+        return torch.bfloat16 if ops.available() else torch.float32
     return dtype
 
 

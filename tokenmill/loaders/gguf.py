@@ -2,8 +2,9 @@
 
 Hyperparameters come from the `{arch}.*` metadata; tensors are renamed to Hugging Face names and
 dequantized at load to the engine dtype (quantized execution is future work). dtype="auto" means
-float32: the weights were quantized from bf16/fp16 already, and float32 keeps the dequantized
-values exact, so outputs match llama.cpp/transformers as closely as possible.
+bfloat16 for quantized/16-bit files (on CPU when tokenmill's kernels are available, else
+float32; see loaders.resolve_dtype) and float32 for F32 files; dtype="float32" keeps the
+dequantized values exact, which the tests use to match llama.cpp/transformers closely.
 """
 
 from __future__ import annotations
@@ -104,10 +105,18 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
         rope_scaling=_rope_scaling(reader, arch),
         tie_word_embeddings="output.weight" not in names,
         attention_bias=arch == "qwen2",
-        torch_dtype="float32",
+        torch_dtype=_weights_dtype(reader),
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[eos] if eos is not None else [],
     )
+
+
+def _weights_dtype(reader: GGUFReader) -> str:
+    """'float32' for an all-F32 file; otherwise the weights had 16 bits or fewer to begin with,
+    and 'auto' runs them in bfloat16."""
+    matrices = [t for t in reader.tensors if len(t.shape) > 1]
+    f32 = all(t.tensor_type == GGMLQuantizationType.F32 for t in matrices)
+    return "float32" if f32 else "bfloat16"
 
 
 def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
