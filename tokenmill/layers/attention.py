@@ -122,11 +122,10 @@ class PagedAttention(nn.Module):
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, ctx: AttentionContext) -> torch.Tensor:
         q = q[chunk.start : chunk.end].transpose(0, 1)  # (heads, new, head_dim)
-        fresh = chunk.num_computed == 0 and not ctx.kv_cache.quantized
-        if fresh:  # the whole history is this chunk: use its K/V directly
-            k = k[chunk.start : chunk.end]
+        if chunk.num_computed == 0 and ctx.kv_cache.lossless(q.dtype):
+            k = k[chunk.start : chunk.end]  # the whole history is this chunk: use it directly
             v = v[chunk.start : chunk.end]
-        else:  # read through the cache (a quantized cache always: same numbers as decode)
+        else:  # through the cache (a lossy one always: prefill sees the numbers decode sees)
             k, v = ctx.kv_cache.gather(self.layer_idx, chunk.block_table[None, :], q.dtype)
             k, v = k[0, : chunk.kv_len], v[0, : chunk.kv_len]
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # (kv_heads, kv_len, head_dim)

@@ -52,6 +52,10 @@ class KVCache:
     def quantized(self) -> bool:
         return self.format.quantized
 
+    def lossless(self, dtype: torch.dtype) -> bool:
+        """Whether reading K/V back gives exactly what a `dtype` model wrote."""
+        return not self.quantized and self.format.dtype == dtype
+
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.k + self.v)
