@@ -3,16 +3,24 @@ and whole models with kernels on and off."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
 from tests.conftest import random_prompts
 from tokenmill import LLM, SamplingParams
-from tokenmill.kernels import load_cpu_kernels
+from tokenmill.kernels import _cpu_has_avx2, load_cpu_kernels
 from tokenmill.layers import ops
 
-pytestmark = pytest.mark.skipif(load_cpu_kernels() is None,
-                                reason="C++ kernels unavailable on this machine")
+# Where the kernels can build (x86-64 with AVX2 and a C++ compiler) they must: a build error
+# would otherwise silently fall back to the reference paths and skip these tests.
+CAN_BUILD = _cpu_has_avx2() and shutil.which("c++") is not None
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="no AVX2 CPU or no C++ compiler here")
+
+
+def test_kernels_build_here():
+    assert load_cpu_kernels() is not None
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
@@ -112,3 +120,31 @@ def test_model_bfloat16_kernels_close_to_reference(tiny_llama):
     ref, _ = greedy(tiny_llama[0], "bfloat16", False, prompts)
     same = sum(a == b for x, y in zip(fast, ref) for a, b in zip(x, y))
     assert same / sum(len(r) for r in ref) >= 0.9  # bf16 rounding differs in summation order
+
+
+def test_decode_stack_equals_layer_by_layer(tiny_llama, tmp_path):
+    """The C++ decode stack against the same kernels called layer by layer from Python, on a
+    Qwen3 (q/k norm), a sliding-window Mistral and a QKV-bias Qwen2."""
+    from tests.conftest import save_tiny_model
+    from tokenmill.models import llama
+
+    prompts = random_prompts(4, 3, 40, seed=10)
+    for arch, extra in (("qwen3", {"head_dim": 32}), ("mistral", {"sliding_window": 8}),
+                        ("qwen2", {})):
+        path = tmp_path / arch
+        save_tiny_model(path, arch, **extra)
+        calls = []
+        real = ops.decode_stack
+        ops.decode_stack = lambda *a: calls.append(1) or real(*a)
+        try:
+            fused, _ = greedy(path, "float32", True, prompts)
+        finally:
+            ops.decode_stack = real
+        assert len(calls) >= 15  # every all-decode step went through the C++ stack
+        original = llama.LlamaModel._decode_stack_applies
+        llama.LlamaModel._decode_stack_applies = lambda *a: False
+        try:
+            layered, _ = greedy(path, "float32", True, prompts)
+        finally:
+            llama.LlamaModel._decode_stack_applies = original
+        assert fused == layered, arch

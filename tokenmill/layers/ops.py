@@ -120,3 +120,12 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window, scale)
         return _kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                          window or 0, scale)
     return None
+
+
+def decode_stack_available(x: torch.Tensor) -> bool:
+    return _fast(x)
+
+
+def decode_stack(*args) -> torch.Tensor:
+    """All decoder layers of a decode-only step in one C++ call (see cpu_ops.cpp)."""
+    return _kernels.decode_stack(*args)

@@ -103,12 +103,44 @@ class LlamaModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
         )
+        self.cfg = cfg
+        self._stack: list[torch.Tensor] | None = None  # weights for the C++ decode stack
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # (tokens, hidden)
+        if self._decode_stack_applies(x, ctx):
+            return self._decode_stack(x, positions, ctx)
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary_emb, ctx)
         return self.norm(x, residual)[0]
+
+    def _decode_stack_applies(self, x: torch.Tensor, ctx: AttentionContext) -> bool:
+        """One C++ call for all layers: decode-only steps on a cache in the model's dtype."""
+        return (ops.decode_stack_available(x) and not ctx.prefills
+                and ctx.num_decode_tokens == x.shape[0] and ctx.kv_cache.lossless(x.dtype)
+                and not self.cfg.mlp_bias)
+
+    def _decode_stack(self, x, positions, ctx) -> torch.Tensor:
+        if self._stack is None:
+            none = torch.empty(0, dtype=x.dtype, device=x.device)
+            self._stack = []
+            for layer in self.layers:
+                a, m = layer.self_attn, layer.mlp
+                self._stack += [
+                    layer.input_layernorm.weight, a.qkv_proj.weight,
+                    none if a.qkv_proj.bias is None else a.qkv_proj.bias, a.o_proj.weight,
+                    layer.post_attention_layernorm.weight, m.gate_up_proj.weight,
+                    m.down_proj.weight, a.q_norm.weight if hasattr(a, "q_norm") else none,
+                    a.k_norm.weight if hasattr(a, "k_norm") else none,
+                ]
+        cfg, cache = self.cfg, ctx.kv_cache
+        windows = [layer.self_attn.attn.sliding_window or 0 for layer in self.layers]
+        return ops.decode_stack(
+            x, positions, self.rotary_emb.cos_sin, self._stack, windows, self.norm.weight,
+            cache.k[0], cache.v[0], ctx.slot_mapping, ctx.decode_block_tables,
+            ctx.decode_seq_lens, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.head_dim, self.norm.eps, self.layers[0].self_attn.attn.scale,
+        )
 
 
 class LlamaForCausalLM(nn.Module):
