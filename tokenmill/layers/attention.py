@@ -100,10 +100,18 @@ class PagedAttention(nn.Module):
         return out
 
     def _sdpa(self, q, k, v, mask=None, causal=False) -> torch.Tensor:
-        gqa = self.num_heads != self.num_kv_heads
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
-        )
+        """q: (..., heads, len, head_dim), k/v: (..., kv_heads, kv_len, head_dim). KV heads are
+        repeated for GQA and inputs made 4-D: on CPU that is what PyTorch's flash kernel takes
+        (3-D or enable_gqa inputs fall back to the ~3x slower math path)."""
+        squeeze = q.dim() == 3
+        if squeeze:
+            q, k, v = q[None], k[None], v[None]
+        if self.num_heads != self.num_kv_heads:
+            groups = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                             scale=self.scale)
+        return out[0] if squeeze else out
 
     def _decode(self, q: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         cache = ctx.kv_cache
