@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 using at::BFloat16;
@@ -28,6 +29,44 @@ inline float hsum(__m256 v) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// Round 8 floats to bfloat16 precision (round to nearest even), kept as floats: what storing
+// into a bf16 tensor and reading back does (NaN aside).
+inline __m256 round_bf16(__m256 v) {
+  __m256i b = _mm256_castps_si256(v);
+  __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  b = _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  return _mm256_castsi256_ps(_mm256_and_si256(b, _mm256_set1_epi32(0xFFFF0000)));
+}
+
+template <typename T> inline __m256 rnd8(__m256 v) { return v; }
+template <> inline __m256 rnd8<BFloat16>(__m256 v) { return round_bf16(v); }
+
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(BFloat16* p, __m256 v) {  // v already bf16-exact: keep the high halves
+  __m256i b = _mm256_srli_epi32(_mm256_castps_si256(round_bf16(v)), 16);
+  __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
+// exp(x) for 8 floats: Cephes' polynomial after range reduction (max rel. error ~2e-7);
+// std::exp per score was the slowest part of decode attention.
+inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
+                                              _mm256_set1_ps(0.5f)));
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 inline float to_f(float v) { return v; }
@@ -50,16 +89,63 @@ float dot(const float* x, const T* w, int64_t k) {
   return s;
 }
 
-// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]). Weight rows are streamed from memory once
-// per call and reused for all m rows while they sit in L1: bandwidth-bound small-batch GEMM.
+// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for small M (decode batches). The weights
+// stream from memory once per call, four rows at a time. One or two input rows: a dot product
+// per (input row, weight row), bandwidth-bound. Three or more: the four weight rows are
+// widened to float32 in an L1-sized scratch once, then 3 x 4 tiles of (input row, weight row)
+// pairs accumulate in twelve registers, so the arithmetic keeps up with memory at decode
+// batch sizes.
+template <typename W>
+void widen_rows(const W* w, float* dst, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, load8(w + i));
+  for (; i < count; ++i) dst[i] = to_f(w[i]);
+}
+
+// ROWS input rows x 4 weight rows (from the float32 scratch) in 4 * ROWS accumulators.
+template <int ROWS, typename O>
+void tile(const float* x, int64_t K, const float* wf, const float* bias, int64_t n0,
+          int64_t N, O* out, int64_t m) {
+  __m256 a[ROWS][4];
+  for (auto& row : a)
+    for (auto& v : row) v = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[4];
+    for (int r = 0; r < 4; ++r) wv[r] = _mm256_loadu_ps(wf + r * K + k);
+    for (int i = 0; i < ROWS; ++i) {
+      __m256 u = _mm256_loadu_ps(x + (m + i) * K + k);
+      for (int r = 0; r < 4; ++r) a[i][r] = _mm256_fmadd_ps(u, wv[r], a[i][r]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) {
+    const float* xi = x + (m + i) * K;
+    for (int r = 0; r < 4; ++r) {
+      float s = hsum(a[i][r]);
+      for (int64_t kk = k; kk < K; ++kk) s += xi[kk] * wf[r * K + kk];
+      out[(m + i) * N + n0 + r] = static_cast<O>(s + (bias ? bias[n0 + r] : 0.f));
+    }
+  }
+}
+
 template <typename W, typename O>
 void linear_small(const float* x, const W* w, const float* bias, O* out, int64_t M, int64_t N,
                   int64_t K) {
   constexpr int64_t kRows = 4;
   at::parallel_for(0, (N + kRows - 1) / kRows, 16, [&](int64_t b0, int64_t b1) {
+    std::vector<float> wf(M >= 3 ? kRows * K : 0);
     for (int64_t blk = b0; blk < b1; ++blk) {
       int64_t n0 = blk * kRows, n1 = std::min(N, n0 + kRows);
-      for (int64_t m = 0; m < M; ++m) {
+      int64_t m = 0;
+      if (M >= 3 && n1 - n0 == kRows) {
+        widen_rows(w + n0 * K, wf.data(), kRows * K);
+        for (; m + 3 <= M; m += 3) tile<3>(x, K, wf.data(), bias, n0, N, out, m);
+        if (m + 2 <= M) {
+          tile<2>(x, K, wf.data(), bias, n0, N, out, m);
+          m += 2;
+        }
+      }
+      for (; m < M; ++m) {
         const float* xm = x + m * K;
         for (int64_t n = n0; n < n1; ++n) {
           float s = dot(xm, w + n * K, K) + (bias ? bias[n] : 0.f);
@@ -100,22 +186,37 @@ namespace {
 template <typename T>
 void rms_norm_rows(const T* x, const T* w, T* out, T* residual, const T* add, int64_t rows,
                    int64_t H, float eps) {
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf(H);
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * H;
-      double ss = 0;
-      for (int64_t i = 0; i < H; ++i) {
+      const T* ar = add ? add + r * H : nullptr;
+      __m256 ss8 = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= H; i += 8) {
         // residual stream update: residual = residual + add, rounded to T (as the reference)
-        float v = add ? rnd<T>(to_f(add[r * H + i]) + to_f(xr[i])) : to_f(xr[i]);
-        if (add) residual[r * H + i] = static_cast<T>(v);
+        __m256 v = load8(xr + i);
+        if (ar) {
+          v = rnd8<T>(_mm256_add_ps(load8(ar + i), v));
+          store8(residual + r * H + i, v);
+        }
+        _mm256_storeu_ps(buf.data() + i, v);
+        ss8 = _mm256_fmadd_ps(v, v, ss8);
+      }
+      float ss = hsum(ss8);
+      for (; i < H; ++i) {
+        float v = ar ? rnd<T>(to_f(ar[i]) + to_f(xr[i])) : to_f(xr[i]);
+        if (ar) residual[r * H + i] = static_cast<T>(v);
         buf[i] = v;
-        ss += static_cast<double>(v) * v;
+        ss += v * v;
       }
-      float inv = 1.0f / std::sqrt(static_cast<float>(ss / H) + eps);
-      for (int64_t i = 0; i < H; ++i) {
-        out[r * H + i] = static_cast<T>(to_f(w[i]) * rnd<T>(buf[i] * inv));
+      float inv = 1.0f / std::sqrt(ss / H + eps);
+      __m256 inv8 = _mm256_set1_ps(inv);
+      for (i = 0; i + 8 <= H; i += 8) {
+        __m256 n = rnd8<T>(_mm256_mul_ps(_mm256_loadu_ps(buf.data() + i), inv8));
+        store8(out + r * H + i, _mm256_mul_ps(load8(w + i), n));
       }
+      for (; i < H; ++i) out[r * H + i] = static_cast<T>(to_f(w[i]) * rnd<T>(buf[i] * inv));
     }
   });
 }
@@ -192,14 +293,23 @@ namespace {
 
 template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = x + r * 2 * I;
       const T* u = g + I;
-      for (int64_t i = 0; i < I; ++i) {
+      T* o = out + r * I;
+      int64_t i = 0;
+      for (; i + 8 <= I; i += 8) {  // silu(g) rounded to T, times up, rounded
+        __m256 gv = load8(g + i);
+        __m256 act = rnd8<T>(_mm256_div_ps(gv, _mm256_add_ps(one, exp8(_mm256_sub_ps(
+            _mm256_setzero_ps(), gv)))));
+        store8(o + i, _mm256_mul_ps(act, load8(u + i)));
+      }
+      for (; i < I; ++i) {
         float gv = to_f(g[i]);
         float act = rnd<T>(gv / (1.0f + std::exp(-gv)));
-        out[r * I + i] = static_cast<T>(act * to_f(u[i]));
+        o[i] = static_cast<T>(act * to_f(u[i]));
       }
     }
   });
@@ -224,25 +334,6 @@ torch::Tensor silu_mul(torch::Tensor x) {
 }
 
 namespace {
-
-// exp(x) for 8 floats: Cephes' polynomial after range reduction (max rel. error ~2e-7);
-// std::exp per score was the slowest part of decode attention.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
-  __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f),
-                                              _mm256_set1_ps(0.5f)));
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 
 // softmax in place over n scores
 void softmax(float* s, int64_t n) {
@@ -378,6 +469,15 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 // where a model has none).
 constexpr int64_t kLayerTensors = 9;
 
+// cache.view(-1, heads, head_dim)[slots[t]] = x[t]: plain row copies.
+void store_slots(torch::Tensor cache, const torch::Tensor& x, const torch::Tensor& slots) {
+  int64_t row_bytes = x[0].numel() * x.element_size();
+  auto* dst = static_cast<char*>(cache.data_ptr());
+  const auto* src = static_cast<const char*>(x.data_ptr());
+  const int64_t* s = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < x.size(0); ++t) std::memcpy(dst + s[t] * row_bytes, src + t * row_bytes, row_bytes);
+}
+
 torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tensor cos_sin,
                            std::vector<torch::Tensor> weights, std::vector<int64_t> windows,
                            torch::Tensor final_norm, torch::Tensor k_cache,
@@ -390,6 +490,7 @@ torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tens
     return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
   };
   torch::Tensor residual = x.clone(), h;
+  auto slot_ids = slots.to(torch::kInt64).contiguous();
   for (int64_t l = 0; l < layers; ++l) {
     const torch::Tensor* w = &weights[l * kLayerTensors];
     h = l == 0 ? ::rms_norm(residual, w[0], eps, c10::nullopt)
@@ -405,8 +506,8 @@ torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tens
     ::rope(q, cos_sin, positions);
     ::rope(k, cos_sin, positions);
     auto kc = k_cache.select(0, l), vc = v_cache.select(0, l);
-    kc.view({-1, num_kv_heads, head_dim}).index_copy_(0, slots, k);
-    vc.view({-1, num_kv_heads, head_dim}).index_copy_(0, slots, v);
+    store_slots(kc, k, slot_ids);
+    store_slots(vc, v.contiguous(), slot_ids);
     auto attn = ::decode_attention(q, kc, vc, block_tables, seq_lens, windows[l], scale);
     h = ::linear(attn.view({B, q_size}), w[3], c10::nullopt);
     auto normed = ::rms_norm(residual, w[4], eps, h);

@@ -1,0 +1,110 @@
+"""Single-stream decode and prefill, tokenmill vs llama.cpp (llama-bench), same BF16 weights,
+same thread count, in alternating rounds (the machine's bandwidth drifts: only same-run ratios
+count). Also measures this machine's limits (hw_limits.py) and reports each engine's achieved
+GB/s and its share of the bandwidth limit. Prints a table and ends with one JSON line.
+
+    python benchmarks/compare_llamacpp.py [--rounds 3] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks import hw_limits  # noqa: E402
+from benchmarks.bf16_model import bf16_gguf  # noqa: E402
+
+
+def llama_bench(gguf: Path, threads: int, prompt: int, gen: int) -> dict:
+    binary = subprocess.run(["bash", str(ROOT / "benchmarks" / "build_llama_cpp.sh")],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    out = subprocess.run([f"{binary}/llama-bench", "-m", str(gguf), "-t", str(threads),
+                          "-p", str(prompt), "-n", str(gen), "-r", "3", "-o", "json"],
+                         capture_output=True, text=True, check=True).stdout
+    rows = json.loads(out)
+    pick = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in rows}
+    return {"prefill_tok_s": pick["pp"], "decode_tok_s": pick["tg"]}
+
+
+def tokenmill_bench(llm, prompt: int, gen: int, rng: random.Random) -> dict:
+    from tokenmill import SamplingParams
+
+    vocab = llm.engine.model_config.vocab_size
+
+    def ids(n):
+        return {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(n)]}
+
+    pre = llm.generate(ids(prompt), SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    dec = llm.generate(ids(128), SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True),
+                       use_tqdm=False)[0]
+    return {"prefill_tok_s": prompt / pre.metrics.time_to_first_token,
+            "decode_tok_s": 1.0 / dec.metrics.mean_inter_token_latency}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=128)
+    args = ap.parse_args()
+    import torch
+
+    from tokenmill import LLM
+    from tokenmill.bench.offline import weight_bytes_per_token
+
+    torch.set_num_threads(args.threads)
+    gguf = bf16_gguf(args.model)
+    llm = LLM(str(gguf), dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False,
+              max_model_len=args.prompt + args.gen + 256, num_threads=args.threads)
+    rng = random.Random(0)
+    tokenmill_bench(llm, 64, 8, rng)  # warm-up
+    runs = {"tokenmill": [], "llama.cpp": []}
+    limits = []
+    for _ in range(args.rounds):
+        limits.append(hw_limits.measure())
+        runs["llama.cpp"].append(llama_bench(gguf, args.threads, args.prompt, args.gen))
+        runs["tokenmill"].append(tokenmill_bench(llm, args.prompt, args.gen, rng))
+    lim = {k: statistics.median(r[k] for r in limits) for k in limits[0]}
+    weights = weight_bytes_per_token(llm.engine.runner.model)
+    matmul_params = sum(p.numel() for n, p in llm.engine.runner.model.named_parameters()
+                        if "proj" in n)
+    decode_limit = hw_limits.decode_limit_tok_s(lim, weights)
+    prefill_limit = hw_limits.prefill_limit_tok_s(lim, matmul_params)
+    table = {}
+    for name, rs in runs.items():
+        row = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+        row["decode_gb_s"] = row["decode_tok_s"] * weights / 1e9
+        row["decode_pct_of_limit"] = 100 * row["decode_tok_s"] / decode_limit
+        row["prefill_pct_of_limit"] = 100 * row["prefill_tok_s"] / prefill_limit
+        table[name] = row
+    ratios = {k: table["tokenmill"][k] / table["llama.cpp"][k]
+              for k in ("decode_tok_s", "prefill_tok_s")}
+    print(f"{args.model} BF16, {args.threads} threads, median of {args.rounds} alternating "
+          f"rounds; read bandwidth {lim['read_gb_s']:.1f} GB/s, fp32 matmul "
+          f"{lim['fp32_gflop_s']:.0f} GFLOP/s")
+    print(f"limits: decode {decode_limit:.1f} tok/s ({weights / 2**20:.0f} MiB/token), "
+          f"prefill {prefill_limit:.0f} tok/s")
+    print(f"{'engine':<11}{'tg' + str(args.gen) + ' tok/s':>13}{'GB/s':>7}{'% BW limit':>11}"
+          f"{'pp' + str(args.prompt) + ' tok/s':>14}{'% FLOP limit':>13}")
+    for name, r in table.items():
+        print(f"{name:<11}{r['decode_tok_s']:>13.1f}{r['decode_gb_s']:>7.1f}"
+              f"{r['decode_pct_of_limit']:>10.0f}%{r['prefill_tok_s']:>14.0f}"
+              f"{r['prefill_pct_of_limit']:>12.0f}%")
+    print(f"tokenmill / llama.cpp: decode {ratios['decode_tok_s']:.2f}x, "
+          f"prefill {ratios['prefill_tok_s']:.2f}x")
+    print(json.dumps({"benchmark": "compare_llamacpp", "model": args.model, "limits": lim,
+                      "decode_limit_tok_s": decode_limit, "prefill_limit_tok_s": prefill_limit,
+                      "results": table, "ratios": ratios, "rounds": runs}, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
