@@ -135,7 +135,7 @@ def test_decode_stack_equals_layer_by_layer(tiny_llama, tmp_path):
         save_tiny_model(path, arch, **extra)
         calls = []
         real = ops.decode_stack
-        ops.decode_stack = lambda *a: calls.append(1) or real(*a)
+        ops.decode_stack = lambda *a, calls=calls, real=real: calls.append(1) or real(*a)
         try:
             fused, _ = greedy(path, "float32", True, prompts)
         finally:

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 
 _kernels = None
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-SMALL_BATCH = 16  # rows up to which the streaming GEMV kernel beats a converted-weight GEMM
+# Rows up to which the C++ small-batch GEMM beats widening bf16 weights to float32 for MKL
+# (measured crossover ~200 rows on a 2-core AVX2 machine: benchmarks in docs/performance.md).
+SMALL_BATCH = 192
 
 
 def available() -> bool:
@@ -101,9 +103,9 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """x @ weight.T + bias. Small batches stream the weights once through the GEMV kernel (the
-    decode case, bandwidth-bound); large ones convert bf16 weights to float32 for MKL's GEMM
-    (the prefill case, compute-bound), because PyTorch's bf16 GEMM is slow without AVX-512."""
+    """x @ weight.T + bias. Up to SMALL_BATCH rows (decode batches) the C++ kernel streams the
+    weights once; larger inputs (prefill chunks) widen bf16 weights to float32 for MKL's GEMM,
+    because PyTorch's own bf16 GEMM is slow without AVX-512."""
     if _fast(x) and weight.dtype in _KERNEL_DTYPES and x.dim() == 2:
         if x.shape[0] <= SMALL_BATCH:
             return _kernels.linear(x, weight, bias)
