@@ -153,3 +153,82 @@ def test_lru_evicts_least_recently_freed_cached_block():
     bm.allocate(z, 9)  # three blocks: both never-cached ones first, then the LRU cached one
     assert bm.lookup_prefix(new_seq([1] * 5)) == []  # x's block, freed first, was evicted
     assert len(bm.lookup_prefix(new_seq([2] * 5))) == 1  # y's survives
+
+
+class TwoPoolMachine(RuleBasedStateMachine):
+    """KVCacheManager with a full-history pool and a sliding-window pool (window 6): random
+    admissions with prefix hits, decodes, forks and frees keep both pools' ref counts equal
+    to their block tables, and the window pool never holds more than the window needs."""
+
+    WINDOW = 6
+
+    def __init__(self):
+        from tokenmill.engine.kv_manager import CacheGroup, KVCacheManager
+
+        super().__init__()
+        self.kv = KVCacheManager([CacheGroup([0], None, 14, 8),
+                                  CacheGroup([1], self.WINDOW, 10, 8)], BS)
+        self.live: list[Sequence] = []
+
+    def _step(self, seq: Sequence, n: int, hits=None) -> bool:
+        if not self.kv.can_allocate(seq, n, hits):
+            return False
+        self.kv.allocate(seq, n, hits)
+        seq.num_computed_tokens += n
+        self.kv.commit(seq)
+        return True
+
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=12))
+    def admit(self, tokens):
+        seq = new_seq(tokens)
+        hits = self.kv.lookup_prefix(seq)
+        if self._step(seq, seq.num_tokens - self.kv.hit_tokens(hits), hits):
+            self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100), token=st.integers(0, 2))
+    def decode(self, index, token):
+        seq = self.live[index % len(self.live)]
+        seq.append_token(token)
+        if not self._step(seq, 1):
+            self.kv.free(seq)
+            self.live.remove(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def fork(self, index):
+        parent = self.live[index % len(self.live)]
+        child = new_seq(parent.token_ids[: parent.num_prompt_tokens])
+        self.kv.fork(parent, child)
+        if child.num_uncomputed_tokens == 0 or self._step(child, child.num_uncomputed_tokens):
+            self.live.append(child)
+        else:
+            self.kv.free(child)
+
+    @precondition(lambda self: self.live)
+    @rule(index=st.integers(0, 100))
+    def finish(self, index):
+        self.kv.free(self.live.pop(index % len(self.live)))
+
+    @invariant()
+    def pools_consistent(self):
+        for g, m in enumerate(self.kv.managers):
+            counts = [0] * m.num_blocks
+            for seq in self.live:
+                table = m.table(seq)
+                assert len(table) == m.blocks_for_tokens(seq.num_computed_tokens)
+                for b in table:
+                    if b != NULL_BLOCK:
+                        counts[b] += 1
+                if g == 1:
+                    assert m.num_held_blocks(seq) <= -(-self.WINDOW // BS) + 2
+            assert counts == [b.ref_count for b in m.blocks]
+
+    def teardown(self):
+        for seq in self.live:
+            self.kv.free(seq)
+        assert self.kv.num_free_blocks == self.kv.num_blocks
+
+
+TestTwoPools = TwoPoolMachine.TestCase
+TestTwoPools.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)

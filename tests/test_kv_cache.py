@@ -143,10 +143,49 @@ def test_sliding_window_model_holds_only_its_window(tmp_path):
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
-def test_mixed_window_model_keeps_history(tmp_path):
+def test_mixed_window_model_keeps_full_history_only_for_global_layers(tmp_path):
+    """Qwen3 with layer 0 global and layer 1 sliding (window 16): two block pools. The global
+    layer's pool holds the whole sequence, the sliding layer's only its window."""
+    window, bs = 16, 8
+    hf = save_tiny_model(tmp_path, "qwen3", use_sliding_window=True, sliding_window=window,
+                         max_window_layers=1, seed=4)
+    llm = LLM(str(tmp_path), dtype="float32", block_size=bs, max_num_seqs=4)
+    engine = llm.engine
+    assert [len(g.layers) for g in engine.kv_plan.groups] == [1, 1]
+    assert [g.window for g in engine.kv_plan.groups] == [None, window]
+    prompt = random_prompts(1, 20, 20, seed=7)[0]
+    engine.add_request("r", {"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=4 * window))
+    full, sliding, out = [], [], None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        for seq in engine.scheduler.running:
+            held = engine.kv_manager.num_held_blocks(seq)
+            full.append((held[0], -(-seq.num_computed_tokens // bs)))
+            sliding.append(held[1])
+    assert all(held == needed for held, needed in full)  # every block of the history
+    assert max(sliding) <= window // bs + 2 and max(full)[0] > window // bs + 2
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 4 * window)
+    # prefix caching and n > 1 across the two pools: same greedy output, nothing leaked
+    again = llm.generate({"prompt_token_ids": prompt},
+                         SamplingParams(n=2, temperature=0, max_tokens=4 * window),
+                         use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == [out.outputs[0].token_ids] * 2
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_kv_memory_mixed_and_sliding_models(tmp_path):
+    from tokenmill.kv_memory import Shape
+
+    mixed = Shape("m", 4, 8, 2, 64, 4096, sliding_window=64, sliding_layers=2)
+    row = report(mixed, context=1024, batch=1, memory=None, block_size=16)[1]  # bfloat16
+    per_layer = 2 * 2 * 64 * 2
+    assert row["per_context_bytes"] == (2 * 1024 + 2 * (64 + 32)) * per_layer
     save_tiny_model(tmp_path, "qwen3", use_sliding_window=True, sliding_window=8,
                     max_window_layers=1)
-    assert LLM(str(tmp_path), dtype="float32").engine.release_window is None
+    shape = load_shape(str(tmp_path))
+    assert (shape.sliding_window, shape.sliding_layers, shape.full_layers) == (8, 1, 1)
 
 
 def test_kv_memory_llama2_70b_by_hand():

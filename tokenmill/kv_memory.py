@@ -21,7 +21,12 @@ class Shape:
     num_kv_heads: int
     head_dim: int
     max_len: int
-    sliding_window: int | None = None  # only when every layer uses it
+    sliding_window: int | None = None
+    sliding_layers: int = 0  # layers using the window; the others keep the whole history
+
+    @property
+    def full_layers(self) -> int:
+        return self.num_layers - self.sliding_layers
 
 
 # Published shapes, so users can size hardware without downloading anything.
@@ -31,17 +36,18 @@ KNOWN_SHAPES = {s.name: s for s in [
     Shape("llama-3-8b", 32, 32, 8, 128, 8192),
     Shape("llama-3.1-70b", 80, 64, 8, 128, 131072),
     Shape("llama-3.1-405b", 126, 128, 8, 128, 131072),
-    Shape("mistral-7b-v0.1", 32, 32, 8, 128, 32768, sliding_window=4096),
+    Shape("mistral-7b-v0.1", 32, 32, 8, 128, 32768, sliding_window=4096, sliding_layers=32),
     Shape("qwen2.5-7b", 28, 28, 4, 128, 32768),
     Shape("smollm2-135m", 30, 9, 3, 64, 8192),
 ]}
 
 
 def shape_from_config(name: str, cfg: ModelConfig) -> Shape:
-    from tokenmill.engine.llm_engine import release_window
-
+    groups = cfg.kv_cache_groups()
+    sliding = groups[-1][0] if groups[-1][1] is not None else []
+    window = groups[-1][1] if sliding else None
     return Shape(name, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                 cfg.head_dim, cfg.max_position_embeddings, release_window(cfg))
+                 cfg.head_dim, cfg.max_position_embeddings, window, len(sliding))
 
 
 def load_shape(model: str) -> Shape:
@@ -58,29 +64,31 @@ def load_shape(model: str) -> Shape:
     return shape_from_config(os.path.basename(path), read_model_config(path))
 
 
-def held_tokens(shape: Shape, context: int, block_size: int) -> int:
-    """Token slots one sequence of `context` tokens holds in the engine: whole blocks, and for
-    all-sliding-window models only the blocks the window can still see (at most two extra)."""
+def held_tokens(shape: Shape, context: int, block_size: int) -> tuple[int, int]:
+    """Token slots one sequence of `context` tokens holds in the engine, for a full-history
+    layer and for a sliding-window layer: whole blocks, and for the latter only the blocks the
+    window can still see (at most two more than the window)."""
     blocks = -(-context // block_size)
+    window_blocks = blocks
     if shape.sliding_window is not None:
-        blocks = min(blocks, shape.sliding_window // block_size + 2)
-    return blocks * block_size
+        window_blocks = min(blocks, shape.sliding_window // block_size + 2)
+    return blocks * block_size, window_blocks * block_size
 
 
 def report(shape: Shape, context: int, batch: int, memory: int | None,
            block_size: int = 16) -> list[dict]:
     rows = []
-    tokens = held_tokens(shape, context, block_size)
+    full, window = held_tokens(shape, context, block_size)
     for dtype in KV_FORMATS:
         per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
         mha = kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, dtype)
-        per_context = tokens * per_token
+        per_layer = kv_bytes_per_token(1, shape.num_kv_heads, shape.head_dim, dtype)
+        per_context = (shape.full_layers * full + shape.sliding_layers * window) * per_layer
         row = {"kv_dtype": dtype, "bytes_per_token": per_token, "mha_bytes_per_token": mha,
                "per_context_bytes": per_context, "per_batch_bytes": per_context * batch}
         if memory is not None:
-            num_blocks = memory // (per_token * block_size)
-            row["max_sequences"] = num_blocks // (tokens // block_size)
-            row["tokens_in_budget"] = num_blocks * block_size
+            row["max_sequences"] = memory // per_context
+            row["tokens_in_budget"] = memory // (per_token * block_size) * block_size
         rows.append(row)
     return rows
 
@@ -111,7 +119,8 @@ def print_report(shape: Shape, context: int, batch: int, memory: int | None,
     gqa = shape.num_heads // shape.num_kv_heads
     print(f"{shape.name}: {shape.num_layers} layers, {shape.num_heads} heads, "
           f"{shape.num_kv_heads} KV heads (GQA x{gqa}), head_dim {shape.head_dim}"
-          + (f", sliding window {shape.sliding_window}" if shape.sliding_window else ""))
+          + (f", sliding window {shape.sliding_window} on {shape.sliding_layers} of them"
+             if shape.sliding_window else ""))
     print(f"per token: {formula(shape)}")
     print(f"context {context:,} tokens, batch {batch}"
           + (f", budget {human(memory)}" if memory else ""))

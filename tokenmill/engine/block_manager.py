@@ -5,6 +5,10 @@ fixed number of token slots in the KV cache. A full, computed block is registere
 of (parent block hash, its token ids), so any sequence whose prefix has the same tokens reuses it.
 Free blocks wait in one LRU queue: never-cached blocks at the front (used first), cached blocks at
 the back in the order they were freed, so the least recently used cached block is evicted first.
+
+A manager owns one pool and manages block table number `group` of each sequence (see
+kv_manager.py for models with two pools). The group-0 manager also keeps the sequence's chained
+block hashes and its computed-token counter; other groups read them.
 """
 
 from __future__ import annotations
@@ -33,16 +37,29 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 group: int = 0):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.group = group
+        self.primary = group == 0
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.num_queried_tokens = 0  # prefix-cache statistics, in tokens
         self.num_hit_tokens = 0
+
+    # ---- this manager's table of a sequence --------------------------------------------------
+    def table(self, seq: Sequence) -> list[int]:
+        while len(seq.block_tables) <= self.group:
+            seq.block_tables.append([])
+        return seq.block_tables[self.group]
+
+    def _set_table(self, seq: Sequence, table: list[int]) -> None:
+        self.table(seq)
+        seq.block_tables[self.group] = table
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -86,8 +103,8 @@ class BlockManager:
     # ---- allocation -------------------------------------------------------------------------
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> int:
         """Free blocks that allocate(seq, num_new_tokens, hits) would consume."""
-        total = seq.num_computed_tokens + len(hits) * self.block_size + num_new_tokens
-        fresh = self.blocks_for_tokens(total) - len(seq.block_table) - len(hits)
+        total = self._base(seq, hits) + num_new_tokens
+        fresh = self.blocks_for_tokens(total) - len(self.table(seq)) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return max(fresh, 0) + revived
 
@@ -99,65 +116,85 @@ class BlockManager:
         sequence with no blocks yet) become its first blocks and count as computed."""
         if not self.can_allocate(seq, num_new_tokens, hits):
             raise RuntimeError("allocate() called without enough free blocks")
+        total = self._base(seq, hits) + num_new_tokens
         if hits:
-            assert not seq.block_table and seq.num_computed_tokens == 0
+            assert not self.table(seq)
             for block_id in hits:
                 self._take(block_id)
-            seq.block_table = list(hits)
-            seq.block_hashes = [self.blocks[b].block_hash for b in hits]
-            seq.num_computed_tokens = len(hits) * self.block_size
-        total = seq.num_computed_tokens + num_new_tokens
-        while len(seq.block_table) < self.blocks_for_tokens(total):
-            seq.block_table.append(self._pop_free())
+            self._set_table(seq, list(hits))
+            if self.primary:
+                seq.block_hashes = [self.blocks[b].block_hash for b in hits]
+                seq.num_computed_tokens = len(hits) * self.block_size
+        table = self.table(seq)
+        while len(table) < self.blocks_for_tokens(total):
+            table.append(self._pop_free())
+
+    def _base(self, seq: Sequence, hits) -> int:
+        """Tokens already held before an allocation: cache hits, or what is computed."""
+        return len(hits) * self.block_size if hits else seq.num_computed_tokens
 
     def commit(self, seq: Sequence) -> None:
-        """Register the full blocks seq has computed so far, so later sequences can reuse them."""
+        """Register the full blocks seq has computed so far, so later sequences can reuse them
+        (group 0: extends seq.block_hashes first)."""
         bs = self.block_size
+        start = len(seq.block_hashes)
         while len(seq.block_hashes) < seq.num_computed_tokens // bs:
             i = len(seq.block_hashes)
             parent = seq.block_hashes[-1] if i else None
-            block_hash = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
-            seq.block_hashes.append(block_hash)
-            block = self.blocks[seq.block_table[i]]
-            if self.enable_prefix_caching and block.block_hash is None:
-                if block_hash not in self._cached:
-                    block.block_hash = block_hash
-                    self._cached[block_hash] = block.block_id
+            seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
+        self.register(seq, start, len(seq.block_hashes))
+
+    def register(self, seq: Sequence, start: int, end: int) -> None:
+        """Put blocks start..end-1 of seq's table under their hashes in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self.table(seq)
+        for i in range(start, end):
+            if table[i] == NULL_BLOCK:
+                continue
+            block, block_hash = self.blocks[table[i]], seq.block_hashes[i]
+            if block.block_hash is None and block_hash not in self._cached:
+                block.block_hash = block_hash
+                self._cached[block_hash] = block.block_id
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Give child the parent's full prompt blocks (shared, ref-counted). The child recomputes
         the partial last block itself, so no block is ever written by two sequences."""
-        assert not child.block_table
+        assert not self.table(child)
         num_full = min(parent.num_computed_tokens, parent.num_prompt_tokens) // self.block_size
-        for block_id in parent.block_table[:num_full]:
+        shared = self.table(parent)[:num_full]
+        for block_id in shared:
             if block_id != NULL_BLOCK:
                 self._take(block_id)
-        child.block_table = parent.block_table[:num_full]
-        child.block_hashes = parent.block_hashes[:num_full]
-        child.num_computed_tokens = num_full * self.block_size
+        self._set_table(child, shared)
+        if self.primary:
+            child.block_hashes = parent.block_hashes[:num_full]
+            child.num_computed_tokens = num_full * self.block_size
 
     def free(self, seq: Sequence) -> None:
         """Release all of seq's blocks (finish, abort or preemption). Tail blocks are released
         first so that, among equally old cached blocks, a prompt's head outlives its tail."""
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(self.table(seq)):
             if block_id != NULL_BLOCK:
                 self._release(block_id)
-        seq.block_table = []
-        seq.block_hashes = []
+        self._set_table(seq, [])
+        if self.primary:
+            seq.block_hashes = []
 
     def release_outside_window(self, seq: Sequence, window: int) -> None:
         """Free blocks no future query can see: every later query sits at a position
         >= num_computed_tokens and attends only the last `window` positions. Call after
         commit(), so released full blocks stay in the prefix cache until evicted."""
         first_visible = seq.num_computed_tokens - window + 1
+        table = self.table(seq)
         for i in range(max(first_visible, 0) // self.block_size):
-            if seq.block_table[i] == NULL_BLOCK:
+            if table[i] == NULL_BLOCK:
                 continue
-            self._release(seq.block_table[i])
-            seq.block_table[i] = NULL_BLOCK
+            self._release(table[i])
+            table[i] = NULL_BLOCK
 
     def num_held_blocks(self, seq: Sequence) -> int:
-        return sum(1 for b in seq.block_table if b != NULL_BLOCK)
+        return sum(1 for b in self.table(seq) if b != NULL_BLOCK)
 
     # ---- internals --------------------------------------------------------------------------
     def _take(self, block_id: int) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.engine.kv_manager import CacheGroup
 from tokenmill.layers.kv_cache import kv_bytes_per_token
 from tokenmill.layers.kv_quant import kv_format
 from tokenmill.models.config import ModelConfig
@@ -40,12 +41,20 @@ def available_memory(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class KVCachePlan:
-    num_blocks: int
+    groups: tuple[CacheGroup, ...]  # one block pool per group (see kv_manager.py)
     block_size: int
     kv_dtype: str  # a format name: float32, bfloat16, float16, fp8_e4m3, int8, int4
-    bytes_per_token: int
     max_model_len: int
     max_num_batched_tokens: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.groups[0].num_blocks
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes of one token held in every group (all layers' K and V)."""
+        return sum(g.bytes_per_token for g in self.groups)
 
     @property
     def num_tokens(self) -> int:
@@ -53,14 +62,15 @@ class KVCachePlan:
 
     @property
     def nbytes(self) -> int:
-        return self.num_tokens * self.bytes_per_token
+        return sum(g.num_blocks * self.block_size * g.bytes_per_token for g in self.groups)
 
     def describe(self) -> str:
-        return (
-            f"KV cache: {self.num_blocks} blocks x {self.block_size} tokens = {self.num_tokens} "
-            f"tokens ({self.nbytes / 2**20:.1f} MiB, {self.kv_dtype}, "
-            f"{self.bytes_per_token} bytes/token); max_model_len {self.max_model_len}"
-        )
+        pools = "; ".join(
+            f"{len(g.layers)} {'sliding-window' if g.window else 'full-attention'} layers: "
+            f"{g.num_blocks} blocks x {self.block_size} = {g.num_blocks * self.block_size} "
+            f"tokens, {g.bytes_per_token} bytes/token" for g in self.groups)
+        return (f"KV cache ({self.nbytes / 2**20:.1f} MiB, {self.kv_dtype}): {pools}; "
+                f"max_model_len {self.max_model_len}")
 
 
 def kv_dtype_for(config: EngineConfig, model_dtype: torch.dtype) -> str:
@@ -79,32 +89,17 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
             f"({mc.max_position_embeddings})"
         )
     kv_dtype = kv_dtype_for(config, model_dtype)
-    per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
-                                   kv_dtype)
     bs = config.block_size
-    block_bytes = per_token * bs
-    if config.kv_cache_memory is not None:
-        num_blocks = config.kv_cache_memory // block_bytes
-        if num_blocks < 1:
-            raise ValueError(
-                f"kv_cache_memory ({config.kv_cache_memory} bytes) is smaller than one KV block "
-                f"({block_bytes} bytes = {bs} tokens x {per_token} bytes)"
-            )
-    else:
-        wanted = config.max_num_seqs * -(-max_len // bs)
-        budget = int(available_memory(device) * DEFAULT_MEMORY_FRACTION)
-        if device.type == "cpu":
-            budget = min(budget, DEFAULT_CPU_KV_BYTES)
-        cap = budget // block_bytes
-        num_blocks = max(1, min(wanted, cap))
-        if cap < wanted:
-            logger.info("KV cache capped at %d blocks (%.1f GiB; max_num_seqs x max_model_len "
-                        "would need %d): pass kv_cache_memory to change it", cap,
-                        cap * block_bytes / 2**30, wanted)
-    if num_blocks * bs < max_len:
+    specs = mc.kv_cache_groups()
+    per_token = [kv_bytes_per_token(len(layers), mc.num_key_value_heads, mc.head_dim, kv_dtype)
+                 for layers, _ in specs]
+    blocks = _group_blocks(config, specs, [p * bs for p in per_token], max_len, device)
+    groups = tuple(CacheGroup(layers, window, n, p)
+                   for (layers, window), n, p in zip(specs, blocks, per_token))
+    if blocks[0] * bs < max_len and specs[0][1] is None:
         logger.warning("max_model_len lowered from %d to %d: the KV cache holds only %d tokens",
-                       max_len, num_blocks * bs, num_blocks * bs)
-        max_len = num_blocks * bs
+                       max_len, blocks[0] * bs, blocks[0] * bs)
+        max_len = blocks[0] * bs
     batched = config.max_num_batched_tokens
     if batched is None:
         batched = DEFAULT_CHUNK_TOKENS if config.enable_chunked_prefill else max(
@@ -114,4 +109,36 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
             f"without chunked prefill, max_num_batched_tokens ({batched}) must be >= "
             f"max_model_len ({max_len})"
         )
-    return KVCachePlan(num_blocks, bs, kv_dtype, per_token, max_len, batched)
+    return KVCachePlan(groups, bs, kv_dtype, max_len, batched)
+
+
+def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], max_len: int,
+                  device: torch.device) -> list[int]:
+    """Blocks per pool. A sliding-window pool (the second of two) needs at most
+    window / block_size + 2 blocks per running sequence; the full-history pool gets the rest."""
+    bs = config.block_size
+    per_seq = [-(-max_len // bs) if window is None else -(-window // bs) + 2
+               for _, window in specs]
+    wanted = sum(config.max_num_seqs * n * b for n, b in zip(per_seq, block_bytes))
+    if config.kv_cache_memory is not None:
+        budget = config.kv_cache_memory
+    else:
+        budget = int(available_memory(device) * DEFAULT_MEMORY_FRACTION)
+        if device.type == "cpu":
+            budget = min(budget, DEFAULT_CPU_KV_BYTES)
+        if budget < wanted:
+            logger.info("KV cache capped at %.1f GiB (max_num_seqs x max_model_len would need "
+                        "%.1f GiB): pass kv_cache_memory to change it", budget / 2**30,
+                        wanted / 2**30)
+        budget = min(budget, wanted)
+    blocks = []
+    if len(specs) == 2:  # the sliding pool: what max_num_seqs sequences need, <= half
+        sliding = min(config.max_num_seqs * per_seq[1] * block_bytes[1], budget // 2)
+        blocks.append(max(1, sliding // block_bytes[1]))
+        budget -= blocks[-1] * block_bytes[1]
+    if budget // block_bytes[0] < 1:
+        raise ValueError(
+            f"kv_cache_memory ({config.kv_cache_memory} bytes) is smaller than one KV block "
+            f"({block_bytes[0]} bytes = {bs} tokens x {block_bytes[0] // bs} bytes)"
+        )
+    return [budget // block_bytes[0], *blocks]

@@ -10,8 +10,8 @@ from dataclasses import replace
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.block_manager import BlockManager
 from tokenmill.engine.cache_config import plan_kv_cache, resolve_device
+from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
@@ -22,13 +22,6 @@ from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
-
-
-def release_window(cfg) -> int | None:
-    """The window beyond which blocks can be freed: only when every layer is a sliding-window
-    layer (a KV block holds all layers, and a global layer needs the whole history)."""
-    windows = [cfg.sliding_window_for(i) for i in range(cfg.num_hidden_layers)]
-    return None if None in windows else max(windows)
 
 
 class LLMEngine:
@@ -51,21 +44,21 @@ class LLMEngine:
         self.eos_token_ids = list(
             self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
         )
-        self.block_manager = BlockManager(
-            plan.num_blocks, config.block_size, config.enable_prefix_caching
+        self.kv_manager = KVCacheManager(
+            list(plan.groups), config.block_size, config.enable_prefix_caching
         )
+        self.block_manager = self.kv_manager.primary  # the only pool of most models
         self.scheduler = Scheduler(
-            self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+            self.kv_manager, config.max_num_seqs, config.max_num_batched_tokens,
             config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(
-            model, self.model_config, plan.num_blocks, config.block_size, plan.kv_dtype,
+            model, self.model_config, plan.groups, config.block_size, plan.kv_dtype,
             self.device, config.seed, self.eos_token_ids, config.use_kernels,
         )
         logger.info("CPU kernels: %s", "on" if self.runner.kernels else "off (reference ops)")
         self.requests: dict[str, Request] = {}
         self._counter = 0
-        self.release_window = release_window(self.model_config)
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -136,9 +129,7 @@ class LLMEngine:
         now = time.perf_counter()
         for seq, n in sched.scheduled:
             seq.num_computed_tokens += n
-            self.block_manager.commit(seq)
-            if self.release_window:
-                self.block_manager.release_outside_window(seq, self.release_window)
+            self.kv_manager.commit(seq)  # prefix-cache new full blocks, free slid-out ones
             entries = result.prompt_logprobs.get(seq.seq_id)
             if entries:
                 if not seq.prompt_logprobs:
@@ -149,7 +140,7 @@ class LLMEngine:
             req = self.requests[seq.request_id]
             if seq in req.pending_children:
                 req.pending_children.remove(seq)
-                self.block_manager.fork(req.parent, seq)
+                self.kv_manager.fork(req.parent, seq)
                 self.scheduler.add_running(seq)
         for seq, token, logprobs in zip(targets, result.token_ids, result.logprobs):
             req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
@@ -196,19 +187,20 @@ class LLMEngine:
         try:
             while seq.num_computed_tokens < seq.num_tokens:
                 n = min(chunk, seq.num_uncomputed_tokens)
-                if not self.block_manager.can_allocate(seq, n):
+                if not self.kv_manager.can_allocate(seq, n):
                     raise RuntimeError("not enough free KV blocks to score this sequence")
-                self.block_manager.allocate(seq, n)
+                self.kv_manager.allocate(seq, n)
                 input_ids, positions, ctx, _ = self.runner.prepare([(seq, n)])
                 logits.append(self.runner.logits(self.runner.forward(input_ids, positions, ctx)))
                 seq.num_computed_tokens += n
+                self.kv_manager.commit(seq)
         finally:
-            self.block_manager.free(seq)
+            self.kv_manager.free(seq)
         return torch.cat(logits)
 
     # ---- introspection ----------------------------------------------------------------------
     def stats(self) -> dict:
-        bm = self.block_manager
+        bm = self.kv_manager
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
@@ -216,6 +208,6 @@ class LLMEngine:
             "num_free_blocks": bm.num_free_blocks,
             "num_blocks": bm.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
-            "prefix_cache_queries": bm.num_queried_tokens,
-            "prefix_cache_hits": bm.num_hit_tokens,
+            "prefix_cache_queries": bm.primary.num_queried_tokens,
+            "prefix_cache_hits": bm.primary.num_hit_tokens,
         }

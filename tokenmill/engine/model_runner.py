@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tokenmill.engine.kv_manager import CacheGroup
 from tokenmill.engine.sequence import Sequence
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PrefillChunk
@@ -32,7 +33,7 @@ class ModelRunner:
         self,
         model: nn.Module,
         model_config: ModelConfig,
-        num_blocks: int,
+        groups: tuple[CacheGroup, ...],
         block_size: int,
         kv_dtype: str,
         device: torch.device,
@@ -45,10 +46,11 @@ class ModelRunner:
         self.config = model_config
         self.device = device
         self.block_size = block_size
-        self.kv_cache = KVCache(
-            model_config.num_hidden_layers, num_blocks, block_size,
-            model_config.num_key_value_heads, model_config.head_dim, kv_dtype, device,
-        )
+        self.kv_caches = [  # one per block pool (see engine/kv_manager.py)
+            KVCache(len(g.layers), g.num_blocks, block_size, model_config.num_key_value_heads,
+                    model_config.head_dim, kv_dtype, device) for g in groups
+        ]
+        self.kv_cache = self.kv_caches[0]
         self.sampler = Sampler(device, seed, eos_ids)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
@@ -60,30 +62,39 @@ class ModelRunner:
         order = [i for i, (_, n) in enumerate(scheduled) if n == 1]
         num_decodes = len(order)
         order += [i for i, (_, n) in enumerate(scheduled) if n != 1]
-        bs = self.block_size
-        ids, positions, slots, starts = [], [], [], [0] * len(scheduled)
-        prefills = []
+        ids, positions, starts = [], [], [0] * len(scheduled)
         for i in order:
             seq, n = scheduled[i]
             first = seq.num_computed_tokens
             starts[i] = len(ids)
             ids += seq.token_ids[first : first + n]
-            table = seq.block_table
-            for p in range(first, first + n):
-                slots.append(table[p // bs] * bs + p % bs)
             positions += range(first, first + n)
+        ctxs = [self._group_context(g, scheduled, order, num_decodes, starts)
+                for g in range(len(self.kv_caches))]
+        ctx = ctxs[0]
+        ctx.window_ctx = ctxs[1] if len(ctxs) > 1 else None
+        return self._tensor(ids), self._tensor(positions), ctx, starts
+
+    def _group_context(self, group: int, scheduled, order, num_decodes, starts):
+        """Slots and block tables of one block pool's cache."""
+        bs = self.block_size
+        slots, prefills = [], []
+        for i in order:
+            seq, n = scheduled[i]
+            first, table = seq.num_computed_tokens, seq.block_tables[group]
+            slots += [table[p // bs] * bs + p % bs for p in range(first, first + n)]
             if n != 1:
                 prefills.append(PrefillChunk(starts[i], starts[i] + n, first, self._tensor(table)))
-        ctx = AttentionContext(self.kv_cache, self._tensor(slots), num_decodes, prefills=prefills)
+        ctx = AttentionContext(self.kv_caches[group], self._tensor(slots), num_decodes,
+                               prefills=prefills)
         if num_decodes:
-            decodes = [scheduled[i][0] for i in order[:num_decodes]]
+            tables = [scheduled[i][0].block_tables[group] for i in order[:num_decodes]]
             # NULL_BLOCK (-1, slid out of the window) indexes the last block: read but masked.
-            width = max(len(s.block_table) for s in decodes)
-            ctx.decode_block_tables = self._tensor(
-                [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
-            )
-            ctx.decode_seq_lens = self._tensor([s.num_computed_tokens + 1 for s in decodes])
-        return self._tensor(ids), self._tensor(positions), ctx, starts
+            width = max(len(t) for t in tables)
+            ctx.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
+            ctx.decode_seq_lens = self._tensor(
+                [scheduled[i][0].num_computed_tokens + 1 for i in order[:num_decodes]])
+        return ctx
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
         with ops.kernels(self.kernels):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.sequence import Sequence, SequenceStatus
 
 
@@ -29,7 +29,7 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(
         self,
-        block_manager: BlockManager,
+        block_manager: KVCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
@@ -71,25 +71,35 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = min(seq.num_uncomputed_tokens, budget)
-            if self._reserve(seq, n, out.preempted):
+            n = self._reserve(seq, min(seq.num_uncomputed_tokens, budget), out.preempted)
+            if n:
                 out.scheduled.append((seq, n))
                 budget -= n
         if not out.preempted:
             budget = self._admit(out, budget)
         return out
 
-    def _reserve(self, seq: Sequence, n: int, preempted: list[Sequence]) -> bool:
-        """Blocks for n more tokens of seq, preempting the newest running sequences if needed.
-        False when seq itself had to be preempted."""
-        while not self.block_manager.can_allocate(seq, n):
+    def _reserve(self, seq: Sequence, n: int, preempted: list[Sequence]) -> int:
+        """Blocks for up to n more tokens of seq (a smaller chunk if that is what fits),
+        preempting the newest running sequences when not even one token fits. Returns the
+        tokens reserved; 0 when seq itself had to be preempted."""
+        while not (fit := self._fit(seq, n)):
             victim = self.running[-1]
             self._preempt(victim)
             preempted.append(victim)
             if victim is seq:
-                return False
-        self.block_manager.allocate(seq, n)
-        return True
+                return 0
+        self.block_manager.allocate(seq, fit)
+        return fit
+
+    def _fit(self, seq: Sequence, n: int, hits=None) -> int:
+        """The most of n tokens that free blocks allow, halving the chunk (chunked prefill
+        only); 0 when nothing fits."""
+        while not self.block_manager.can_allocate(seq, n, hits):
+            if not self.enable_chunked_prefill or n == 1:
+                return 0
+            n //= 2
+        return n
 
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         bm = self.block_manager
@@ -98,16 +108,17 @@ class Scheduler:
             if len(self.running) + seq.group_size > self.max_num_seqs:
                 break
             hits = bm.lookup_prefix(seq)
-            n = seq.num_tokens - len(hits) * bm.block_size
+            cached = bm.hit_tokens(hits)
+            n = seq.num_tokens - cached
             if n > budget and not self.enable_chunked_prefill:
                 break
-            n = min(n, budget)
-            if not bm.can_allocate(seq, n, hits):
+            n = self._fit(seq, min(n, budget), hits)
+            if not n:
                 break
             bm.allocate(seq, n, hits)
-            bm.record_prefix_query(seq.num_tokens, len(hits) * bm.block_size)
+            bm.record_prefix_query(seq.num_tokens, cached)
             if seq.num_preemptions == 0:
-                seq.num_cached_tokens = len(hits) * bm.block_size
+                seq.num_cached_tokens = cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

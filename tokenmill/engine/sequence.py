@@ -39,7 +39,9 @@ class Sequence:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served by the prefix cache at first admission
-        self.block_table: list[int] = []
+        # One block table per KV cache group (models mixing sliding-window and full-attention
+        # layers keep the two kinds in separate pools); block_table is group 0's.
+        self.block_tables: list[list[int]] = [[]]
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
@@ -55,6 +57,14 @@ class Sequence:
             f"Sequence(id={self.seq_id}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
         )
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.block_tables[0]
+
+    @block_table.setter
+    def block_table(self, table: list[int]) -> None:
+        self.block_tables[0] = table
 
     @property
     def num_tokens(self) -> int:

@@ -41,6 +41,9 @@ class AttentionContext:
     decode_block_tables: torch.Tensor | None = None  # (decodes, max_blocks)
     decode_seq_lens: torch.Tensor | None = None  # (decodes,) kv length including the new token
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The second block pool's view (same tokens, its own cache, slots and tables) for models
+    # whose sliding-window layers keep their K/V apart from the full-attention layers'.
+    window_ctx: AttentionContext | None = None
     _masks: dict = field(default_factory=dict)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -77,12 +80,14 @@ class PagedAttention(nn.Module):
         layer_idx: int,
         sliding_window: int | None = None,
         scale: float | None = None,
+        cache_group: int = 0,
     ) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.layer_idx = layer_idx
+        self.layer_idx = layer_idx  # this layer's index within its cache group's KVCache
+        self.cache_group = cache_group
         self.sliding_window = sliding_window
         self.scale = scale if scale is not None else head_dim**-0.5
 
@@ -90,6 +95,8 @@ class PagedAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
     ) -> torch.Tensor:
         # q: (tokens, heads, head_dim); k, v: (tokens, kv_heads, head_dim)
+        if self.cache_group:
+            ctx = ctx.window_ctx
         ctx.kv_cache.store(self.layer_idx, k, v, ctx.slot_mapping)
         out = torch.empty_like(q)
         nd = ctx.num_decode_tokens

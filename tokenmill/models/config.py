@@ -49,6 +49,26 @@ class ModelConfig:
     def is_sliding(self) -> bool:
         return any(self.sliding_window_for(i) for i in range(self.num_hidden_layers))
 
+    def kv_cache_groups(self) -> list[tuple[list[int], int | None]]:
+        """Layers that share a KV block pool, with the window their blocks are freed beyond.
+        One group normally; a model mixing sliding-window and full-attention layers gets two
+        (full first), so the sliding layers' old blocks can be freed while the full layers
+        keep the whole history."""
+        windows = [self.sliding_window_for(i) for i in range(self.num_hidden_layers)]
+        full = [i for i, w in enumerate(windows) if w is None]
+        sliding = [i for i, w in enumerate(windows) if w is not None]
+        window = max((windows[i] for i in sliding), default=None)
+        if not sliding or not full:
+            return [(full or sliding, window)]
+        return [(full, None), (sliding, window)]
+
+    def kv_cache_slot(self, layer: int) -> tuple[int, int]:
+        """(group, index within the group's cache) of a layer."""
+        for group, (layers, _) in enumerate(self.kv_cache_groups()):
+            if layer in layers:
+                return group, layers.index(layer)
+        raise IndexError(layer)
+
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         """From a Hugging Face config.json (transformers 4 or 5 field names)."""

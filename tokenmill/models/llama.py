@@ -39,9 +39,10 @@ class LlamaAttention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        group, index = cfg.kv_cache_slot(layer_idx)
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_dim, layer_idx,
-            sliding_window=cfg.sliding_window_for(layer_idx),
+            self.num_heads, self.num_kv_heads, self.head_dim, index,
+            sliding_window=cfg.sliding_window_for(layer_idx), cache_group=group,
         )
 
     def forward(
@@ -118,7 +119,7 @@ class LlamaModel(nn.Module):
         """One C++ call for all layers: decode-only steps on a cache in the model's dtype."""
         return (ops.decode_stack_available(x) and not ctx.prefills
                 and ctx.num_decode_tokens == x.shape[0] and ctx.kv_cache.lossless(x.dtype)
-                and not self.cfg.mlp_bias)
+                and ctx.window_ctx is None and not self.cfg.mlp_bias)
 
     def _decode_stack(self, x, positions, ctx) -> torch.Tensor:
         if self._stack is None:

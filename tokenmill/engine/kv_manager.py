@@ -1,0 +1,98 @@
+"""The KV cache's block pools. Most models keep one pool for all layers. A model mixing
+sliding-window and full-attention layers keeps two: the full layers' blocks hold the whole
+history, the sliding layers' blocks are freed once they slide out of the window. Each pool is a
+BlockManager with its own block table per sequence; this class gives the scheduler one
+interface over all of them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    layers: list[int]  # model layers whose K/V live in this pool
+    window: int | None  # blocks entirely older than this many tokens are freed
+    num_blocks: int
+    bytes_per_token: int  # K and V of this group's layers for one token
+
+
+class KVCacheManager:
+    def __init__(self, groups: list[CacheGroup], block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
+        self.groups = groups
+        self.block_size = block_size
+        self.managers = [BlockManager(g.num_blocks, block_size, enable_prefix_caching, group=i)
+                         for i, g in enumerate(groups)]
+
+    @property
+    def primary(self) -> BlockManager:
+        """Group 0's pool: it also tracks the sequence's block hashes and computed tokens."""
+        return self.managers[0]
+
+    # ---- the scheduler's interface ------------------------------------------------------------
+    def lookup_prefix(self, seq: Sequence) -> list[list[int]]:
+        """Per pool, the cached blocks of seq's longest prefix cached in every pool."""
+        hits = [m.lookup_prefix(seq) for m in self.managers]
+        n = min(len(h) for h in hits)
+        return [h[:n] for h in hits]
+
+    def hit_tokens(self, hits: list[list[int]] | None) -> int:
+        return len(hits[0]) * self.block_size if hits else 0
+
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits=None) -> bool:
+        hits = hits or [()] * len(self.managers)
+        return all(m.can_allocate(seq, num_new_tokens, h) for m, h in zip(self.managers, hits))
+
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits=None) -> None:
+        if not self.can_allocate(seq, num_new_tokens, hits):
+            raise RuntimeError("allocate() called without enough free blocks")
+        hits = hits or [()] * len(self.managers)
+        for m, h in reversed(list(zip(self.managers, hits))):  # group 0 (moves counters) last
+            m.allocate(seq, num_new_tokens, h)
+
+    def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.primary.record_prefix_query(num_tokens, num_hit_tokens)
+
+    def commit(self, seq: Sequence) -> None:
+        """Register newly full blocks in every pool, then free what slid out of a window."""
+        start = len(seq.block_hashes)
+        self.primary.commit(seq)
+        for m in self.managers[1:]:
+            m.register(seq, start, len(seq.block_hashes))
+        for m, g in zip(self.managers, self.groups):
+            if g.window is not None:
+                m.release_outside_window(seq, g.window)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        for m in reversed(self.managers):
+            m.fork(parent, child)
+
+    def free(self, seq: Sequence) -> None:
+        for m in self.managers:
+            m.free(seq)
+
+    # ---- accounting ----------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return sum(m.num_blocks for m in self.managers)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(m.num_free_blocks for m in self.managers)
+
+    @property
+    def usage(self) -> float:
+        """Share of the cache's bytes held by sequences."""
+        used = total = 0
+        for m, g in zip(self.managers, self.groups):
+            block_bytes = g.bytes_per_token * self.block_size
+            used += (m.num_blocks - m.num_free_blocks) * block_bytes
+            total += m.num_blocks * block_bytes
+        return used / total
+
+    def num_held_blocks(self, seq: Sequence) -> list[int]:
+        return [m.num_held_blocks(seq) for m in self.managers]
