@@ -99,3 +99,24 @@ def test_capital_of_france(llm):
                    SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ended on <|im_end|>, the GGUF's eos
+
+
+def test_bfloat16_default_stays_close_to_float32(llm, model_path):
+    """The default (auto) dtype runs this model in bf16 through the C++ kernels. Along the
+    float32 greedy continuation, bf16 must pick the same next token nearly always (measured:
+    all 64 with float32 logits from the LM head; rounding the logits to bf16 had turned a
+    0.08 logit gap into a tie and derailed the answer) and still answer the question."""
+    from tokenmill.layers import ops
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = llm.chat_prompt(messages)["prompt_token_ids"]
+    ref = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    bf16 = LLM(NAME, max_model_len=512, max_num_seqs=1)
+    assert bf16.engine.dtype == (torch.bfloat16 if ops.available() else torch.float32)
+    logits = bf16.engine.compute_logits(prompt + ref)
+    picks = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+    assert sum(a == b for a, b in zip(picks, ref)) >= 60
+    out = bf16.chat(messages, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text

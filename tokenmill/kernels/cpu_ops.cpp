@@ -158,8 +158,10 @@ void linear_small(const float* x, const W* w, const float* bias, O* out, int64_t
 
 }  // namespace
 
-torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  // x: (M, K) float32 or bfloat16; w: (N, K) float32 or bfloat16 -> (M, N) in x's dtype.
+torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
+                     bool out_fp32) {
+  // x: (M, K) float32 or bfloat16; w: (N, K) float32 or bfloat16 -> (M, N) in x's dtype, or
+  // float32 when out_fp32 (logits: no bf16 rounding of the accumulated sums).
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: bad shapes");
   auto xf = x.to(torch::kFloat32).contiguous();
   auto wc = w.contiguous();
@@ -167,7 +169,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tens
   if (bias.has_value()) bf = bias->to(torch::kFloat32).contiguous();
   const float* bp = bias.has_value() ? bf.data_ptr<float>() : nullptr;
   int64_t M = x.size(0), N = w.size(0), K = x.size(1);
-  auto out = torch::empty({M, N}, x.options());
+  auto out = torch::empty({M, N}, out_fp32 ? x.options().dtype(torch::kFloat32) : x.options());
   bool wbf = w.scalar_type() == torch::kBFloat16;
   if (out.scalar_type() == torch::kBFloat16) {
     auto* o = reinterpret_cast<BFloat16*>(out.data_ptr());
@@ -495,7 +497,7 @@ torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tens
     const torch::Tensor* w = &weights[l * kLayerTensors];
     h = l == 0 ? ::rms_norm(residual, w[0], eps, c10::nullopt)
                : ::rms_norm(residual, w[0], eps, h);  // residual += h, then normalize
-    auto qkv = ::linear(h, w[1], opt(w[2]));
+    auto qkv = ::linear(h, w[1], opt(w[2]), false);
     auto q = qkv.narrow(1, 0, q_size).reshape({B, num_heads, head_dim}).contiguous();
     auto k = qkv.narrow(1, q_size, kv_size).reshape({B, num_kv_heads, head_dim}).contiguous();
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).reshape({B, num_kv_heads, head_dim});
@@ -509,9 +511,10 @@ torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tens
     store_slots(kc, k, slot_ids);
     store_slots(vc, v.contiguous(), slot_ids);
     auto attn = ::decode_attention(q, kc, vc, block_tables, seq_lens, windows[l], scale);
-    h = ::linear(attn.view({B, q_size}), w[3], c10::nullopt);
+    h = ::linear(attn.view({B, q_size}), w[3], c10::nullopt, false);
     auto normed = ::rms_norm(residual, w[4], eps, h);
-    h = ::linear(::silu_mul(::linear(normed, w[5], c10::nullopt)), w[6], c10::nullopt);
+    h = ::linear(::silu_mul(::linear(normed, w[5], c10::nullopt, false)), w[6], c10::nullopt,
+                 false);
   }
   return ::rms_norm(residual, final_norm, eps, h);
 }

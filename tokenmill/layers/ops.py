@@ -101,17 +101,21 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return silu_mul_ref(x)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-           ) -> torch.Tensor:
-    """x @ weight.T + bias. Up to SMALL_BATCH rows (decode batches) the C++ kernel streams the
-    weights once; larger inputs (prefill chunks) widen bf16 weights to float32 for MKL's GEMM,
-    because PyTorch's own bf16 GEMM is slow without AVX-512."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_fp32: bool = False) -> torch.Tensor:
+    """x @ weight.T + bias, in x's dtype or, with out_fp32, in float32 straight from the
+    float32 accumulators (logits: bf16 rounding would turn near-ties into exact ties). Up to
+    SMALL_BATCH rows (decode batches) the C++ kernel streams the weights once; larger inputs
+    (prefill chunks) widen bf16 weights to float32 for MKL's GEMM, because PyTorch's own bf16
+    GEMM is slow without AVX-512."""
     if _fast(x) and weight.dtype in _KERNEL_DTYPES and x.dim() == 2:
         if x.shape[0] <= SMALL_BATCH:
-            return _kernels.linear(x, weight, bias)
+            return _kernels.linear(x, weight, bias, out_fp32)
         if weight.dtype == torch.bfloat16:
             out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-            return out.to(x.dtype)
+            return out if out_fp32 else out.to(x.dtype)
+    if out_fp32 and x.dtype != torch.float32:
+        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return F.linear(x, weight, bias)
 
 

@@ -162,7 +162,8 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)  # (tokens, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (rows, vocab)
+        # float32 logits from float32 accumulators, also for bf16 models (see ops.linear)
+        return ops.linear(hidden, self.lm_head.weight, out_fp32=True)  # (rows, vocab)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed(self, weights, PACKED)
