@@ -1,5 +1,5 @@
 """Bad requests get their status code and an OpenAI-style JSON error body naming the problem,
-and the server keeps answering: 400, 404, 429, 500 after a failed engine step."""
+and the server keeps answering: 400, 404, 413, 429, 500 after a failed engine step."""
 
 from __future__ import annotations
 
@@ -140,6 +140,14 @@ def test_queue_full_is_429(make_server):
     assert small.async_engine.wait_idle(timeout=10)
     assert small.engine.block_manager.num_free_blocks == small.engine.block_manager.num_blocks
     assert post(small, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_oversized_body_is_413(make_server):
+    small = make_server(max_request_bytes=1000)
+    r = post(small, "/v1/completions", {"prompt": "x" * 2000, "max_tokens": 2})
+    assert_error(r, 413, "2", "limit of 1000")
+    assert post(small, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert httpx.get(f"{small.url}/health").status_code == 200
 
 
 def test_health_during_generation(server):

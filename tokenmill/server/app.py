@@ -12,7 +12,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.server.auth import APIKeyMiddleware
+from tokenmill.server.auth import APIKeyMiddleware, BodyLimitMiddleware
 from tokenmill.server.chat import create_chat_completion
 from tokenmill.server.completions import create_completion
 from tokenmill.server.errors import install_error_handlers
@@ -31,6 +31,7 @@ def create_app(
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
     max_queued_requests: int | None = None,
+    max_request_bytes: int = 16 * 2**20,
 ) -> FastAPI:
     """An app serving engine. app.state holds async_engine, model and metrics (for tests)."""
     names = list(served_model_names or [engine.config.model])
@@ -50,7 +51,8 @@ def create_app(
     app = FastAPI(title="tokenmill", lifespan=lifespan)
     app.state.async_engine, app.state.model, app.state.metrics = async_engine, model, metrics
     install_error_handlers(app)
-    if api_key:
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:  # added last: runs first
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.include_router(_v1_routes(model))
 

@@ -1,5 +1,6 @@
-"""API-key check for /v1 routes, as ASGI middleware so that it runs before anything reads the
-request body (an unauthenticated client learns nothing, not even that its JSON is malformed)."""
+"""Request guards as ASGI middleware, so that they run before anything reads the request body:
+the API-key check for /v1 routes (an unauthenticated client learns nothing, not even that its
+JSON is malformed) and the request size limit (HTTP 413)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,24 @@ class APIKeyMiddleware:
             raw = headers.get(b"authorization")
             error = check_authorization(raw.decode("latin-1") if raw else None, self.api_key)
             if error is not None:
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Refuses a request whose Content-Length exceeds max_bytes with 413, before reading it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope.get("headers") or []).get(b"content-length", b"")
+            if length.isdigit() and int(length) > self.max_bytes:
+                error = APIError(413, f"request body is {int(length)} bytes, more than the "
+                                      f"server's limit of {self.max_bytes} (--max-request-bytes)")
                 await error.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

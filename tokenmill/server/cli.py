@@ -23,6 +23,8 @@ def add_parser(sub) -> None:
                                      "(default: $TOKENMILL_API_KEY)")
     g.add_argument("--max-queued-requests", type=int,
                    help="requests allowed to wait for a batch slot; more get HTTP 429")
+    g.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
+                   help="largest request body accepted; larger ones get HTTP 413 (16 MiB)")
     g.add_argument("--served-model-name", nargs="+",
                    help="model name(s) clients use; the first one is reported")
     g.add_argument("--log-level", default="warning",
@@ -53,7 +55,7 @@ def run(args) -> int:
         raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
     engine = LLMEngine(EngineConfig(model=args.model, **engine_kwargs(args)))
     names = args.served_model_name or [args.model]
-    app = create_app(engine, names, api_key, args.max_queued_requests)
+    app = create_app(engine, names, api_key, args.max_queued_requests, args.max_request_bytes)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
