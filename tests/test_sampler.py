@@ -38,6 +38,13 @@ def test_top_k_and_top_p_renormalize_over_kept_tokens():
     assert (freq - expected).abs().max().item() < 0.012
 
 
+def test_masked_tokens_are_never_drawn():
+    logits = torch.tensor([3.0, -1.0, 2.0, -2.0, -3.0])  # top-k=2 keeps 0 and 2; tail masked
+    freq = draw(SamplingParams(temperature=5.0, top_k=2), logits)
+    assert freq[[1, 3, 4]].sum().item() == 0
+    assert freq[0] > 0.4 and freq[2] > 0.4
+
+
 def test_min_p_filter():
     probs = LOGITS.softmax(-1)
     out = filter_logits(LOGITS[None].clone(), torch.tensor([0]), torch.tensor([1.0]),

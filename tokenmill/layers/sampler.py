@@ -1,9 +1,10 @@
 """Sampler: turns one row of logits per sequence into the next token, batched.
 
 Order (as in vLLM): min_tokens masking, penalties, then greedy argmax or temperature -> min-p ->
-top-k -> top-p -> random draw. The draw uses the exponential-race trick (argmax of p / Exp(1)),
-with a per-sequence torch.Generator for seeded requests, so a seeded sequence draws the same
-tokens whatever else shares its batch.
+top-k -> top-p -> random draw. The draw is inverse-CDF sampling: one uniform number per row
+(an exponential race over the vocabulary cost ~25 ms per 16 rows of 49K tokens on CPU), from a
+per-sequence torch.Generator for seeded requests, so a seeded sequence draws the same tokens
+whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -114,16 +115,19 @@ class Sampler:
         top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
         min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
         logits = filter_logits(logits / temps[:, None], top_k, top_p, min_p)
-        probs = logits.softmax(-1)
-        noise = torch.empty_like(probs)
+        cdf = logits.softmax(-1).cumsum(-1)  # (rows, vocab)
+        u = torch.empty(len(seqs), device=dev)
         shared = [i for i, s in enumerate(seqs) if s.params.seed is None]
         if shared:
-            noise[shared] = torch.empty(len(shared), probs.shape[1], device=dev).exponential_(
-                generator=self.generator)
+            u[shared] = torch.rand(len(shared), device=dev, generator=self.generator)
         for i, seq in enumerate(seqs):
             if seq.params.seed is not None:
-                noise[i].exponential_(generator=self._generator(seq))
-        sampled = (probs / noise).argmax(-1)
+                u[i] = torch.rand(1, device=dev, generator=self._generator(seq))[0]
+        # The first token whose cumulative probability exceeds u * total; u is kept below the
+        # total so that a zero-probability tail (masked tokens) can never be picked.
+        total = cdf[:, -1:]
+        u = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        sampled = torch.searchsorted(cdf, u, right=True)[:, 0]
         return torch.where(torch.tensor(greedy, device=dev), greedy_tokens, sampled)
 
 
