@@ -8,6 +8,7 @@ the same weights at the same precision.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -62,6 +63,36 @@ def convert(src: Path, dst: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def bf16_hf_folder(model: str = DEFAULT_MODEL) -> Path:
+    """The same BF16 weights as a Hugging Face folder (safetensors, tokenizer, chat template),
+    written by transformers from the BF16 GGUF: for engines that take no GGUF (vLLM)."""
+    gguf_path = bf16_gguf(model)
+    dst = bench_dir() / (gguf_path.name.split(".")[0] + "-BF16-hf")
+    if not (dst / "config.json").exists():
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        kw = {"gguf_file": gguf_path.name}
+        from safetensors.torch import save_file
+
+        hf = AutoModelForCausalLM.from_pretrained(gguf_path.parent, dtype=torch.bfloat16, **kw)
+        tmp = dst.with_name(dst.name + ".tmp")
+        tmp.mkdir(exist_ok=True)
+        # save_pretrained refuses models loaded from GGUF: write the tensors ourselves
+        tied = hf.config.tie_word_embeddings
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()
+                 if not (tied and k == "lm_head.weight")}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        hf.config.save_pretrained(tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config.pop("quantization_config", None)  # plain bf16 weights now
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        hf.generation_config.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(gguf_path.parent, **kw).save_pretrained(tmp)
+        tmp.rename(dst)
+    return dst
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.bf16_model import bf16_gguf  # noqa: E402
+from benchmarks.bf16_model import bf16_gguf, bf16_hf_folder  # noqa: E402
 
 
 def free_port() -> int:
@@ -63,7 +63,8 @@ def server_commands(args, gguf: Path, port: int) -> dict[str, list[str]]:
                          "-tb", str(args.threads), "--no-webui"]
     if args.vllm_python:
         cmds["vLLM"] = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
-                        "--model", str(gguf), "--port", str(port), "--dtype", "bfloat16",
+                        "--model", str(bf16_hf_folder(args.model)), "--port", str(port),
+                        "--dtype", "bfloat16", "--served-model-name", str(gguf),
                         "--max-num-seqs", str(args.concurrency), "--max-model-len", "2048"]
     return cmds
 

@@ -104,6 +104,18 @@ def test_unknown_architecture_names_the_supported_ones(tmp_path):
         LLM(str(tmp_path))
 
 
+def test_config_without_architectures_uses_model_type(tmp_path):
+    hf = save_tiny_model(tmp_path, "qwen2", seed=6)  # Qwen2: QKV biases, a model_type to map
+    config = json.loads((tmp_path / "config.json").read_text())
+    del config["architectures"]  # as transformers writes a config converted from a GGUF
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), dtype="float32")
+    assert llm.engine.model_config.architecture == "Qwen2ForCausalLM"
+    out = llm.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(temperature=0,
+                       max_tokens=8), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, [4, 5, 6], 8)
+
+
 def test_sharded_checkpoint(tmp_path):
     hf = save_tiny_model(tmp_path, "llama", seed=5)
     hf.save_pretrained(tmp_path, max_shard_size="100KB")

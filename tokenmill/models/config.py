@@ -72,9 +72,9 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
         """From a Hugging Face config.json (transformers 4 or 5 field names)."""
-        from tokenmill.models.registry import model_class
+        from tokenmill.models.registry import architecture_of, model_class
 
-        arch = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
+        arch = architecture_of(cfg)
         model_class(arch)  # unsupported architecture: a clear error before reading fields
         try:
             if arch == "GPT2LMHeadModel":

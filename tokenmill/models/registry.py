@@ -16,6 +16,24 @@ _MODELS = {
 
 SUPPORTED_ARCHITECTURES = tuple(_MODELS)
 
+# A config.json without `architectures` (as written from a GGUF by transformers) names only
+# its model_type; transformers' AutoModelForCausalLM maps these the same way.
+_CAUSAL_LM_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+}
+
+
+def architecture_of(cfg: dict) -> str:
+    """The architecture a Hugging Face config.json names (or implies by its model_type)."""
+    if cfg.get("architectures"):
+        return cfg["architectures"][0]
+    model_type = cfg.get("model_type", "?")
+    return _CAUSAL_LM_OF_MODEL_TYPE.get(model_type, model_type)
+
 
 def model_class(architecture: str) -> type[nn.Module]:
     if architecture not in _MODELS:
