@@ -523,10 +523,15 @@ torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tens
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_stack", &decode_stack, "all decoder layers of a decode-only step");
-  m.def("linear", &::linear, "x @ w.T (+ bias), float32/bfloat16 weights, small batches");
-  m.def("rms_norm", &::rms_norm, "RMSNorm, optionally fused with the residual add");
-  m.def("rope", &::rope, "rotary embedding in place (rotate-half layout)");
-  m.def("silu_mul", &::silu_mul, "silu(gate) * up from a fused [gate | up] tensor");
-  m.def("decode_attention", &::decode_attention, "paged attention for one query per sequence");
+  // Every kernel releases the GIL (none touches Python objects): while a step runs, the
+  // server's event loop keeps streaming the previous step's tokens.
+  using release = py::call_guard<py::gil_scoped_release>;
+  m.def("decode_stack", &decode_stack, "all decoder layers of a decode-only step", release());
+  m.def("linear", &::linear, "x @ w.T (+ bias), float32/bfloat16 weights, small batches",
+        release());
+  m.def("rms_norm", &::rms_norm, "RMSNorm, optionally fused with the residual add", release());
+  m.def("rope", &::rope, "rotary embedding in place (rotate-half layout)", release());
+  m.def("silu_mul", &::silu_mul, "silu(gate) * up from a fused [gate | up] tensor", release());
+  m.def("decode_attention", &::decode_attention, "paged attention for one query per sequence",
+        release());
 }
