@@ -22,15 +22,20 @@ from benchmarks import hw_limits  # noqa: E402
 from benchmarks.bf16_model import bf16_gguf  # noqa: E402
 
 
-def llama_bench(gguf: Path, threads: int, prompt: int, gen: int) -> dict:
+def llama_bench(gguf: Path, threads: int, prompt: int, gen: int, depth: int = 128) -> dict:
+    """pp<prompt> from an empty context; tg<gen> after a <depth>-token context, as tokenmill's
+    decode is measured (a 128-token prompt, then 128 new tokens)."""
     binary = subprocess.run(["bash", str(ROOT / "benchmarks" / "build_llama_cpp.sh")],
                             capture_output=True, text=True, check=True).stdout.strip()
-    out = subprocess.run([f"{binary}/llama-bench", "-m", str(gguf), "-t", str(threads),
-                          "-p", str(prompt), "-n", str(gen), "-r", "3", "-o", "json"],
-                         capture_output=True, text=True, check=True).stdout
-    rows = json.loads(out)
-    pick = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in rows}
-    return {"prefill_tok_s": pick["pp"], "decode_tok_s": pick["tg"]}
+
+    def run(*args: str) -> float:
+        out = subprocess.run([f"{binary}/llama-bench", "-m", str(gguf), "-t", str(threads),
+                              "-r", "3", "-o", "json", *args],
+                             capture_output=True, text=True, check=True).stdout
+        return json.loads(out)[0]["avg_ts"]
+
+    return {"prefill_tok_s": run("-p", str(prompt), "-n", "0"),
+            "decode_tok_s": run("-p", "0", "-n", str(gen), "-d", str(depth))}
 
 
 def tokenmill_bench(llm, prompt: int, gen: int, rng: random.Random) -> dict:
