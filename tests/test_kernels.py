@@ -38,12 +38,29 @@ def close(a, b, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 16, 40])
-def test_linear(kernels, dtype, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 40])
+@pytest.mark.parametrize("k", [72, 3001])  # 3001: an odd k tail, and row blocks of 18 rows
+def test_linear(kernels, dtype, rows, k):
     torch.manual_seed(0)
-    x, w, b = torch.randn(rows, 72).to(dtype), torch.randn(37, 72).to(dtype), torch.randn(37)
+    x, w, b = torch.randn(rows, k).to(dtype), torch.randn(37, k).to(dtype), torch.randn(37)
     close(ops.linear(x, w, b.to(dtype)), torch.nn.functional.linear(x, w, b.to(dtype)), dtype)
     close(ops.linear(x, w), torch.nn.functional.linear(x, w), dtype)
+    fp32 = ops.linear(x, w, out_fp32=True)
+    close(fp32, torch.nn.functional.linear(x.float(), w.float()), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pack_weight_layout(dtype):
+    """Panel p, position k holds rows 16p..16p+15 at k; bf16 lanes pair row i with row 8 + i."""
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3).to(dtype)
+    packed = ops.pack_weight(w)
+    assert packed.shape == (3, 3, 16) and packed.dtype == dtype
+    order = [r for i in range(8) for r in (i, 8 + i)] if dtype == torch.bfloat16 else range(16)
+    for p in range(3):
+        for k in range(3):
+            rows = [16 * p + r for r in order]
+            want = [w[r, k].item() if r < 40 else 0.0 for r in rows]
+            assert packed[p, k].tolist() == want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <vector>
 
 using at::BFloat16;
@@ -76,84 +77,136 @@ inline float to_f(BFloat16 v) { return static_cast<float>(v); }
 template <typename T>
 inline float rnd(float v) { return static_cast<float>(static_cast<T>(v)); }
 
-// x . w for one weight row. The prefetch 4 KiB ahead keeps more of the weight stream in
-// flight than the hardware prefetcher alone (measured: one decode token's GEMVs 15% faster).
-template <typename T>
-float dot(const float* x, const T* w, int64_t k) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= k; i += 16) {
-    _mm_prefetch(reinterpret_cast<const char*>(w + i) + 4096, _MM_HINT_T0);
-    a0 = _mm256_fmadd_ps(load8(x + i), load8(w + i), a0);
-    a1 = _mm256_fmadd_ps(load8(x + i + 8), load8(w + i + 8), a1);
-  }
-  float s = hsum(_mm256_add_ps(a0, a1));
-  for (; i < k; ++i) s += x[i] * to_f(w[i]);
-  return s;
+}  // namespace
+
+namespace {
+
+// ---- GEMM on packed weights -----------------------------------------------------------------
+// ops.pack_weight stores a (N, K) weight as (ceil(N / 16), K, 16) panels: for each k the 16
+// weights of 16 consecutive output rows side by side, so the micro-kernel reads one 32-byte
+// (bf16) or 64-byte (float32) vector per k and broadcasts one input value per row: a 6 x 16
+// output tile lives in 12 registers (the outer-product form of BLIS). bf16 panels interleave
+// each 32-bit lane as (row i, row 8 + i): a shift and a mask widen them to two float32 vectors.
+inline void load16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
 }
 
-// out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]) for small M (decode batches). The weights
-// stream from memory once per call, four rows at a time. One or two input rows: a dot product
-// per (input row, weight row), bandwidth-bound. Three or more: the four weight rows are
-// widened to float32 in an L1-sized scratch once, then 3 x 4 tiles of (input row, weight row)
-// pairs accumulate in twelve registers, so the arithmetic keeps up with memory at decode
-// batch sizes.
-template <typename W>
-void widen_rows(const W* w, float* dst, int64_t count) {
-  int64_t i = 0;
-  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(dst + i, load8(w + i));
-  for (; i < count; ++i) dst[i] = to_f(w[i]);
+inline void load16(const BFloat16* p, __m256& lo, __m256& hi) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// ROWS input rows x 4 weight rows (from the float32 scratch) in 4 * ROWS accumulators.
-template <int ROWS, typename O>
-void tile(const float* x, int64_t K, const float* wf, const float* bias, int64_t n0,
-          int64_t N, O* out, int64_t m) {
-  __m256 a[ROWS][4];
-  for (auto& row : a)
-    for (auto& v : row) v = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 wv[4];
-    for (int r = 0; r < 4; ++r) wv[r] = _mm256_loadu_ps(wf + r * K + k);
-    for (int i = 0; i < ROWS; ++i) {
-      __m256 u = _mm256_loadu_ps(x + (m + i) * K + k);
-      for (int r = 0; r < 4; ++r) a[i][r] = _mm256_fmadd_ps(u, wv[r], a[i][r]);
+constexpr int64_t kPanel = 16, kTileRows = 6;
+
+// Software prefetch: one or two 64-byte lines per two k steps (as many bytes as two k steps of
+// the panel read), from `pf` up to `end`.
+struct Prefetch {
+  const char* pf;
+  const char* end;
+};
+
+// out[i, 0:cols] = x[i, :] . panel (+ bias) for MR input rows (stride ldx) and one panel.
+template <int MR, typename W, typename O>
+void micro(const float* x, int64_t ldx, const W* panel, int64_t K, const float* bias, O* out,
+           int64_t ldo, int64_t cols, Prefetch pre) {
+  // Few rows (decode): a second accumulator set for odd k keeps enough FMA chains in flight.
+  constexpr bool kTwoSets = MR <= 3;
+  __m256 c[MR][2], d[MR][2];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) c[i][0] = c[i][1] = d[i][0] = d[i][1] = _mm256_setzero_ps();
+  auto step = [&](__m256 (&acc)[MR][2], int64_t k) __attribute__((always_inline)) {
+    __m256 lo, hi;
+    load16(panel + k * kPanel, lo, hi);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      __m256 b = _mm256_broadcast_ss(x + i * ldx + k);
+      acc[i][0] = _mm256_fmadd_ps(b, lo, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(b, hi, acc[i][1]);
     }
+  };
+  int64_t k = 0;
+  for (; k + 2 <= K; k += 2) {
+    if (pre.pf < pre.end) {
+      _mm_prefetch(pre.pf, _MM_HINT_T0);
+      if (sizeof(W) == 4) _mm_prefetch(pre.pf + 64, _MM_HINT_T0);
+      pre.pf += 2 * kPanel * sizeof(W);
+    }
+    step(c, k);
+    step(kTwoSets ? d : c, k + 1);
   }
-  for (int i = 0; i < ROWS; ++i) {
-    const float* xi = x + (m + i) * K;
-    for (int r = 0; r < 4; ++r) {
-      float s = hsum(a[i][r]);
-      for (int64_t kk = k; kk < K; ++kk) s += xi[kk] * wf[r * K + kk];
-      out[(m + i) * N + n0 + r] = static_cast<O>(s + (bias ? bias[n0 + r] : 0.f));
+  if (k < K) step(c, k);
+  // accumulators -> memory in one unrolled pass (indexing them by a runtime row would keep
+  // them in memory through the k loop), then bias and the store of the valid columns
+  alignas(32) float tile[MR][kPanel];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+    __m256 lo = c[i][0], hi = c[i][1];
+    if (kTwoSets) {
+      lo = _mm256_add_ps(lo, d[i][0]);
+      hi = _mm256_add_ps(hi, d[i][1]);
+    }
+    _mm256_store_ps(tile[i], lo);
+    _mm256_store_ps(tile[i] + 8, hi);
+  }
+  for (int i = 0; i < MR; ++i) {
+    O* o = out + i * ldo;
+    if (cols == kPanel) {
+      __m256 lo = _mm256_load_ps(tile[i]), hi = _mm256_load_ps(tile[i] + 8);
+      if (bias) {
+        lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias));
+        hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+      }
+      store8(o, lo);
+      store8(o + 8, hi);
+    } else {  // the last panel of a matrix whose rows are not a multiple of 16
+      for (int64_t j = 0; j < cols; ++j) o[j] = static_cast<O>(tile[i][j] + (bias ? bias[j] : 0.f));
     }
   }
 }
 
 template <typename W, typename O>
-void linear_small(const float* x, const W* w, const float* bias, O* out, int64_t M, int64_t N,
-                  int64_t K) {
-  constexpr int64_t kRows = 4;
-  at::parallel_for(0, (N + kRows - 1) / kRows, 16, [&](int64_t b0, int64_t b1) {
-    std::vector<float> wf(M >= 3 ? kRows * K : 0);
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      int64_t n0 = blk * kRows, n1 = std::min(N, n0 + kRows);
-      int64_t m = 0;
-      if (M >= 3 && n1 - n0 == kRows) {
-        widen_rows(w + n0 * K, wf.data(), kRows * K);
-        for (; m + 3 <= M; m += 3) tile<3>(x, K, wf.data(), bias, n0, N, out, m);
-        if (m + 2 <= M) {
-          tile<2>(x, K, wf.data(), bias, n0, N, out, m);
-          m += 2;
-        }
-      }
-      for (; m < M; ++m) {
-        const float* xm = x + m * K;
-        for (int64_t n = n0; n < n1; ++n) {
-          float s = dot(xm, w + n * K, K) + (bias ? bias[n] : 0.f);
-          out[m * N + n] = static_cast<O>(s);
-        }
+void micro_rows(int64_t rows, const float* x, int64_t ldx, const W* panel, int64_t K,
+                const float* bias, O* out, int64_t ldo, int64_t cols, Prefetch pre) {
+  switch (rows) {
+    case 1: return micro<1>(x, ldx, panel, K, bias, out, ldo, cols, pre);
+    case 2: return micro<2>(x, ldx, panel, K, bias, out, ldo, cols, pre);
+    case 3: return micro<3>(x, ldx, panel, K, bias, out, ldo, cols, pre);
+    case 4: return micro<4>(x, ldx, panel, K, bias, out, ldo, cols, pre);
+    case 5: return micro<5>(x, ldx, panel, K, bias, out, ldo, cols, pre);
+    default: return micro<6>(x, ldx, panel, K, bias, out, ldo, cols, pre);
+  }
+}
+
+// Blocks of input rows sized to stay in a core's L2 while every panel streams past them;
+// work items are (row block, panel) pairs, so a decode batch splits by panels and a prefill
+// chunk by row blocks. The first row tile of a panel streams it from memory with a prefetch
+// 4 KiB ahead; later tiles find it cached and prefetch the next panel meanwhile, in equal
+// shares, so memory traffic overlaps arithmetic.
+template <typename W, typename O>
+void gemm_packed(const float* x, const W* w, const float* bias, O* out, int64_t M, int64_t N,
+                 int64_t K) {
+  int64_t panels = (N + kPanel - 1) / kPanel, bytes = K * kPanel * sizeof(W);
+  int64_t block = std::max<int64_t>(kTileRows, (256 * 1024 / (4 * K)) / kTileRows * kTileRows);
+  block = std::min(block, M);
+  int64_t blocks = (M + block - 1) / block;
+  at::parallel_for(0, blocks * panels, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t m0 = t / panels * block, m1 = std::min(M, m0 + block), p = t % panels;
+      int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      const W* panel = w + p * K * kPanel;
+      const char* start = reinterpret_cast<const char*>(panel);
+      int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
+      int64_t share = tiles > 1 ? (bytes / (tiles - 1) + 63) / 64 * 64 : 0;
+      const char* next = start + (t + 1 < t1 && p + 1 < panels ? bytes : 0);
+      for (int64_t j = 0; j < tiles; ++j) {
+        Prefetch pre = j == 0 ? Prefetch{start + 4096, start + 4096 + bytes}
+                              : Prefetch{next + (j - 1) * share, next + std::min(bytes, j * share)};
+        if (j > 0 && next == start) pre.end = pre.pf;  // no next panel in this thread's range
+        int64_t m = m0 + j * kTileRows;
+        micro_rows(std::min(kTileRows, m1 - m), x + m * K, K, panel, K,
+                   bias ? bias + n0 : nullptr, out + m * N + n0, N, cols, pre);
       }
     }
   });
@@ -161,27 +214,31 @@ void linear_small(const float* x, const W* w, const float* bias, O* out, int64_t
 
 }  // namespace
 
+// x: (M, K) float32 or bfloat16; w: packed (ceil(N / 16), K, 16) float32 or bfloat16 (see
+// ops.pack_weight) -> (M, N) in x's dtype, or float32 when out_fp32 (logits: no bf16
+// rounding of the accumulated sums).
 torch::Tensor linear(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias,
-                     bool out_fp32) {
-  // x: (M, K) float32 or bfloat16; w: (N, K) float32 or bfloat16 -> (M, N) in x's dtype, or
-  // float32 when out_fp32 (logits: no bf16 rounding of the accumulated sums).
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "linear: bad shapes");
+                     int64_t N, bool out_fp32) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 3 && w.size(2) == kPanel && x.size(1) == w.size(1) &&
+              w.size(0) == (N + kPanel - 1) / kPanel && w.is_contiguous(),
+              "linear: bad shapes");
   auto xf = x.to(torch::kFloat32).contiguous();
-  auto wc = w.contiguous();
   torch::Tensor bf;
   if (bias.has_value()) bf = bias->to(torch::kFloat32).contiguous();
   const float* bp = bias.has_value() ? bf.data_ptr<float>() : nullptr;
-  int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  int64_t M = x.size(0), K = x.size(1);
   auto out = torch::empty({M, N}, out_fp32 ? x.options().dtype(torch::kFloat32) : x.options());
+  const float* xp = xf.data_ptr<float>();
   bool wbf = w.scalar_type() == torch::kBFloat16;
+  auto* wb = reinterpret_cast<const BFloat16*>(w.data_ptr());
   if (out.scalar_type() == torch::kBFloat16) {
     auto* o = reinterpret_cast<BFloat16*>(out.data_ptr());
-    if (wbf) linear_small(xf.data_ptr<float>(), reinterpret_cast<BFloat16*>(wc.data_ptr()), bp, o, M, N, K);
-    else linear_small(xf.data_ptr<float>(), wc.data_ptr<float>(), bp, o, M, N, K);
+    if (wbf) gemm_packed(xp, wb, bp, o, M, N, K);
+    else gemm_packed(xp, w.data_ptr<float>(), bp, o, M, N, K);
   } else {
     auto* o = out.data_ptr<float>();
-    if (wbf) linear_small(xf.data_ptr<float>(), reinterpret_cast<BFloat16*>(wc.data_ptr()), bp, o, M, N, K);
-    else linear_small(xf.data_ptr<float>(), wc.data_ptr<float>(), bp, o, M, N, K);
+    if (wbf) gemm_packed(xp, wb, bp, o, M, N, K);
+    else gemm_packed(xp, w.data_ptr<float>(), bp, o, M, N, K);
   }
   return out;
 }
@@ -471,7 +528,7 @@ torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Te
 // Same kernels, same order as the Python model (models/llama.py); running the layer loop here
 // saves ~200 us of Python per layer. Per layer, `weights` holds kLayerTensors entries:
 // input_norm, qkv_w, qkv_b, o_w, post_norm, gate_up_w, down_w, q_norm, k_norm (an empty tensor
-// where a model has none).
+// where a model has none); the projection weights packed by ops.pack_weight.
 constexpr int64_t kLayerTensors = 9;
 
 // cache.view(-1, heads, head_dim)[slots[t]] = x[t]: plain row copies.
@@ -488,8 +545,9 @@ torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tens
                            torch::Tensor final_norm, torch::Tensor k_cache,
                            torch::Tensor v_cache, torch::Tensor slots,
                            torch::Tensor block_tables, torch::Tensor seq_lens, int64_t num_heads,
-                           int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
-  int64_t B = x.size(0), layers = static_cast<int64_t>(windows.size());
+                           int64_t num_kv_heads, int64_t head_dim, int64_t intermediate, double eps,
+                           double scale) {
+  int64_t B = x.size(0), hidden = x.size(1), layers = static_cast<int64_t>(windows.size());
   int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   auto opt = [](const torch::Tensor& t) {
     return t.numel() ? c10::optional<torch::Tensor>(t) : c10::nullopt;
@@ -500,7 +558,7 @@ torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tens
     const torch::Tensor* w = &weights[l * kLayerTensors];
     h = l == 0 ? ::rms_norm(residual, w[0], eps, c10::nullopt)
                : ::rms_norm(residual, w[0], eps, h);  // residual += h, then normalize
-    auto qkv = ::linear(h, w[1], opt(w[2]), false);
+    auto qkv = ::linear(h, w[1], opt(w[2]), q_size + 2 * kv_size, false);
     auto q = qkv.narrow(1, 0, q_size).reshape({B, num_heads, head_dim}).contiguous();
     auto k = qkv.narrow(1, q_size, kv_size).reshape({B, num_kv_heads, head_dim}).contiguous();
     auto v = qkv.narrow(1, q_size + kv_size, kv_size).reshape({B, num_kv_heads, head_dim});
@@ -514,10 +572,10 @@ torch::Tensor decode_stack(torch::Tensor x, torch::Tensor positions, torch::Tens
     store_slots(kc, k, slot_ids);
     store_slots(vc, v.contiguous(), slot_ids);
     auto attn = ::decode_attention(q, kc, vc, block_tables, seq_lens, windows[l], scale);
-    h = ::linear(attn.view({B, q_size}), w[3], c10::nullopt, false);
+    h = ::linear(attn.view({B, q_size}), w[3], c10::nullopt, hidden, false);
     auto normed = ::rms_norm(residual, w[4], eps, h);
-    h = ::linear(::silu_mul(::linear(normed, w[5], c10::nullopt, false)), w[6], c10::nullopt,
-                 false);
+    auto gate_up = ::linear(normed, w[5], c10::nullopt, 2 * intermediate, false);
+    h = ::linear(::silu_mul(gate_up), w[6], c10::nullopt, hidden, false);
   }
   return ::rms_norm(residual, final_norm, eps, h);
 }
@@ -527,7 +585,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // server's event loop keeps streaming the previous step's tokens.
   using release = py::call_guard<py::gil_scoped_release>;
   m.def("decode_stack", &decode_stack, "all decoder layers of a decode-only step", release());
-  m.def("linear", &::linear, "x @ w.T (+ bias), float32/bfloat16 weights, small batches",
+  m.def("linear", &::linear, "x @ w.T (+ bias) on panel-packed float32/bfloat16 weights",
         release());
   m.def("rms_norm", &::rms_norm, "RMSNorm, optionally fused with the residual add", release());
   m.def("rope", &::rope, "rotary embedding in place (rotate-half layout)", release());

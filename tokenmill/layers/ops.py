@@ -102,21 +102,27 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_fp32: bool = False) -> torch.Tensor:
+           out_fp32: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, in x's dtype or, with out_fp32, in float32 straight from the
-    float32 accumulators (logits: bf16 rounding would turn near-ties into exact ties). Up to
-    SMALL_BATCH rows (decode batches) the C++ kernel streams the weights once; larger inputs
-    (prefill chunks) widen bf16 weights to float32 for MKL's GEMM, because PyTorch's own bf16
-    GEMM is slow without AVX-512."""
+    float32 accumulators (logits: bf16 rounding would turn near-ties into exact ties). The C++
+    GEMM reads `packed` (pack_weight(weight), packed here when not given); larger bf16 inputs
+    than SMALL_BATCH rows may go to MKL instead (see SMALL_BATCH)."""
     if _fast(x) and weight.dtype in _KERNEL_DTYPES and x.dim() == 2:
-        if x.shape[0] <= SMALL_BATCH:
-            return _kernels.linear(x, weight, bias, out_fp32)
+        if uses_packed(x, weight):
+            packed = pack_weight(weight) if packed is None else packed
+            return _kernels.linear(x, packed, bias, weight.shape[0], out_fp32)
         if weight.dtype == torch.bfloat16:
             out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
             return out if out_fp32 else out.to(x.dtype)
     if out_fp32 and x.dtype != torch.float32:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return F.linear(x, weight, bias)
+
+
+def uses_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether linear(x, weight) runs the C++ GEMM, which reads packed weights."""
+    return (_fast(x) and weight.dtype in _KERNEL_DTYPES and x.dim() == 2
+            and x.shape[0] <= SMALL_BATCH)
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window, scale):
@@ -135,3 +141,15 @@ def decode_stack_available(x: torch.Tensor) -> bool:
 def decode_stack(*args) -> torch.Tensor:
     """All decoder layers of a decode-only step in one C++ call (see cpu_ops.cpp)."""
     return _kernels.decode_stack(*args)
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> (ceil(N / 16), K, 16) panels for the C++ GEMM (see cpu_ops.cpp): rows padded
+    with zeros to a multiple of 16; bf16 panels interleave rows i and 8 + i in each 32-bit lane."""
+    n, k = weight.shape
+    panels = -(-n // 16)
+    w = torch.zeros(panels * 16, k, dtype=weight.dtype, device=weight.device)
+    w[:n] = weight.detach()
+    if weight.dtype == torch.bfloat16:  # (P, 2, 8, K) -> (P, K, 8, 2)
+        return w.view(panels, 2, 8, k).permute(0, 3, 2, 1).reshape(panels, k, 16).contiguous()
+    return w.view(panels, 16, k).transpose(1, 2).contiguous()

@@ -128,10 +128,11 @@ class LlamaModel(nn.Module):
             for layer in self.layers:
                 a, m = layer.self_attn, layer.mlp
                 self._stack += [
-                    layer.input_layernorm.weight, a.qkv_proj.weight,
-                    none if a.qkv_proj.bias is None else a.qkv_proj.bias, a.o_proj.weight,
-                    layer.post_attention_layernorm.weight, m.gate_up_proj.weight,
-                    m.down_proj.weight, a.q_norm.weight if hasattr(a, "q_norm") else none,
+                    layer.input_layernorm.weight, a.qkv_proj.packed_weight(),
+                    none if a.qkv_proj.bias is None else a.qkv_proj.bias,
+                    a.o_proj.packed_weight(), layer.post_attention_layernorm.weight,
+                    m.gate_up_proj.packed_weight(), m.down_proj.packed_weight(),
+                    a.q_norm.weight if hasattr(a, "q_norm") else none,
                     a.k_norm.weight if hasattr(a, "k_norm") else none,
                 ]
         cfg, cache = self.cfg, ctx.kv_cache
@@ -140,7 +141,7 @@ class LlamaModel(nn.Module):
             x, positions, self.rotary_emb.cos_sin, self._stack, windows, self.norm.weight,
             cache.k[0], cache.v[0], ctx.slot_mapping, ctx.decode_block_tables,
             ctx.decode_seq_lens, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.head_dim, self.norm.eps, self.layers[0].self_attn.attn.scale,
+            cfg.head_dim, cfg.intermediate_size, self.norm.eps, self.layers[0].self_attn.attn.scale,
         )
 
 
@@ -163,7 +164,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # float32 logits from float32 accumulators, also for bf16 models (see ops.linear)
-        return ops.linear(hidden, self.lm_head.weight, out_fp32=True)  # (rows, vocab)
+        head = self.lm_head
+        packed = head.packed_weight() if ops.uses_packed(hidden, head.weight) else None
+        return ops.linear(hidden, head.weight, out_fp32=True, packed=packed)  # (rows, vocab)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed(self, weights, PACKED)
