@@ -17,6 +17,7 @@ from tokenmill.engine.sequence import Sequence
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PrefillChunk
 from tokenmill.layers.kv_cache import KVCache
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.sampler import Sampler, top_logprobs
 from tokenmill.models.config import ModelConfig
 
@@ -52,6 +53,11 @@ class ModelRunner:
         ]
         self.kv_cache = self.kv_caches[0]
         self.sampler = Sampler(device, seed, eos_ids)
+        if self.kernels:  # pack the projections for the C++ GEMM now, not in the first step
+            for module in model.modules():
+                if isinstance(module, Linear) and module.weight.dtype in (torch.float32,
+                                                                          torch.bfloat16):
+                    module.packed_weight()
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
