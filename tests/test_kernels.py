@@ -31,6 +31,14 @@ def kernels():
         yield on
 
 
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 def close(a, b, dtype):
     assert a.dtype == b.dtype == dtype and a.shape == b.shape
     scale = b.float().abs().max().item() + 1e-6
@@ -91,13 +99,16 @@ def test_rope_and_silu_mul(kernels, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 20])
-def test_decode_attention(kernels, dtype, window):
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)  # 1: a task per GQA group (2 seqs
+@pytest.mark.parametrize("block_size", [8, 32])  # x 2 KV heads >= 4 x threads); 2: per q head
+def test_decode_attention(kernels, dtype, window, threads, block_size):
     from tokenmill.layers.attention import AttentionContext, PagedAttention
     from tokenmill.layers.kv_cache import KVCache
 
     torch.manual_seed(3)
-    cache = KVCache(1, 10, 8, 2, 32, dtype, torch.device("cpu"))
-    cache.store(0, torch.randn(80, 2, 32), torch.randn(80, 2, 32), torch.arange(80))
+    cache = KVCache(1, 10, block_size, 2, 32, dtype, torch.device("cpu"))
+    slots = 10 * block_size
+    cache.store(0, torch.randn(slots, 2, 32), torch.randn(slots, 2, 32), torch.arange(slots))
     tables = torch.tensor([[3, 1, 4, 0, 5, 9, 2, 6], [7, 8, 0, 0, 0, 0, 0, 0]])
     lens = torch.tensor([61, 13])
     q = torch.randn(2, 6, 32).to(dtype)

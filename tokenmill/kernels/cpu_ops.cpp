@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iterator>
@@ -417,57 +418,88 @@ void softmax(float* s, int64_t n) {
 
 constexpr int64_t kMaxHeadDim = 256;
 
-// One query head of one sequence against its paged K/V history (head_dim a multiple of 8).
-// Scores four positions at a time so four FMA chains run in parallel.
-template <typename T>
-void attend_one(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t start,
-                int64_t L, int64_t BS, int64_t Hk, int64_t h, int64_t D, float scale,
-                float* scores, T* out) {
-  const int64_t V = D / 8, row = Hk * D;  // vectors per head; elements per cache slot
-  __m256 qv[kMaxHeadDim / 8], acc[kMaxHeadDim / 8];
-  for (int64_t i = 0; i < V; ++i) qv[i] = _mm256_mul_ps(load8(q + 8 * i), _mm256_set1_ps(scale));
-  int64_t n = 0;
-  for (int64_t p = start; p < L;) {  // walk block by block: no division per position
-    int64_t off = p % BS, take = std::min(BS - off, L - p);
-    const T* k = kc + (table[p / BS] * BS + off) * row + h * D;
-    int64_t j = 0;
-    for (; j + 4 <= take; j += 4, k += 4 * row) {
-      __m256 a0 = _mm256_mul_ps(qv[0], load8(k)), a1 = _mm256_mul_ps(qv[0], load8(k + row));
-      __m256 a2 = _mm256_mul_ps(qv[0], load8(k + 2 * row));
-      __m256 a3 = _mm256_mul_ps(qv[0], load8(k + 3 * row));
-      for (int64_t i = 1; i < V; ++i) {
-        a0 = _mm256_fmadd_ps(qv[i], load8(k + 8 * i), a0);
-        a1 = _mm256_fmadd_ps(qv[i], load8(k + row + 8 * i), a1);
-        a2 = _mm256_fmadd_ps(qv[i], load8(k + 2 * row + 8 * i), a2);
-        a3 = _mm256_fmadd_ps(qv[i], load8(k + 3 * row + 8 * i), a3);
-      }
-      scores[n++] = hsum(a0);
-      scores[n++] = hsum(a1);
-      scores[n++] = hsum(a2);
-      scores[n++] = hsum(a3);
-    }
-    for (; j < take; ++j, k += row) {
-      __m256 a = _mm256_mul_ps(qv[0], load8(k));
-      for (int64_t i = 1; i < V; ++i) a = _mm256_fmadd_ps(qv[i], load8(k + 8 * i), a);
-      scores[n++] = hsum(a);
-    }
-    p += take;
-  }
-  softmax(scores, n);
-  for (int64_t i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
-  n = 0;
+constexpr int64_t kRows = 16;  // cache rows widened to float32 at a time
+
+// Visit positions [start, L) of one sequence's paged history up to kRows at a time, never
+// crossing a cache block: fn(index of the first position from start, rows, its cache row).
+template <typename T, typename Fn>
+void walk(const T* cache, const int64_t* table, int64_t start, int64_t L, int64_t BS,
+          int64_t row, int64_t offset, Fn fn) {
   for (int64_t p = start; p < L;) {
-    int64_t off = p % BS, take = std::min(BS - off, L - p);
-    const T* v = vc + (table[p / BS] * BS + off) * row + h * D;
-    for (int64_t j = 0; j < take; ++j, v += row) {
-      __m256 w = _mm256_set1_ps(scores[n++]);
-      for (int64_t i = 0; i < V; ++i) acc[i] = _mm256_fmadd_ps(w, load8(v + 8 * i), acc[i]);
-    }
+    int64_t off = p % BS, take = std::min({BS - off, L - p, kRows});
+    fn(p - start, take, cache + (table[p / BS] * BS + off) * row + offset);
     p += take;
   }
-  float tmp[kMaxHeadDim];
-  for (int64_t i = 0; i < V; ++i) _mm256_storeu_ps(tmp + 8 * i, acc[i]);
-  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<T>(tmp[d]);
+}
+
+// rows x D cache entries (stride `row`) -> float32 scratch (rows x D)
+template <typename T>
+void widen_block(const T* src, int64_t rows, int64_t row, int64_t D, float* dst) {
+  for (int64_t j = 0; j < rows; ++j)
+    for (int64_t i = 0; i < D; i += 8) _mm256_storeu_ps(dst + j * D + i, load8(src + j * row + i));
+}
+
+// sc[j] = qf . k[j] for `rows` key rows (stride `stride`), four rows at a time (four FMA chains)
+template <typename R>
+void score_rows(const float* qf, const R* k, int64_t stride, int64_t rows, int64_t D, float* sc) {
+  int64_t j = 0;
+  for (; j + 4 <= rows; j += 4, k += 4 * stride) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t i = 0; i < D; i += 8) {
+      __m256 qv = _mm256_loadu_ps(qf + i);
+      a0 = _mm256_fmadd_ps(qv, load8(k + i), a0);
+      a1 = _mm256_fmadd_ps(qv, load8(k + stride + i), a1);
+      a2 = _mm256_fmadd_ps(qv, load8(k + 2 * stride + i), a2);
+      a3 = _mm256_fmadd_ps(qv, load8(k + 3 * stride + i), a3);
+    }
+    sc[j] = hsum(a0), sc[j + 1] = hsum(a1), sc[j + 2] = hsum(a2), sc[j + 3] = hsum(a3);
+  }
+  for (; j < rows; ++j, k += stride) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(qf + i), load8(k + i), a);
+    sc[j] = hsum(a);
+  }
+}
+
+// acc += sum_j sc[j] * v[j] for `rows` value rows (stride `stride`)
+template <typename R>
+void accumulate_rows(const float* sc, const R* v, int64_t stride, int64_t rows, int64_t D,
+                     float* acc) {
+  for (int64_t i = 0; i < D; i += 8) {
+    __m256 s8 = _mm256_loadu_ps(acc + i);
+    for (int64_t j = 0; j < rows; ++j)
+      s8 = _mm256_fmadd_ps(_mm256_set1_ps(sc[j]), load8(v + j * stride + i), s8);
+    _mm256_storeu_ps(acc + i, s8);
+  }
+}
+
+// `heads` query heads sharing KV head h (a GQA group, or one head of it) of one sequence
+// against its paged K/V history (head_dim a multiple of 8). A group reads each K and V row from
+// the cache once, widened into an L1 scratch that all its heads use, instead of once per head;
+// a single head reads the cache rows directly.
+template <typename T>
+void attend_group(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t start,
+                  int64_t L, int64_t BS, int64_t Hk, int64_t h, int64_t D, int64_t heads,
+                  float scale, float* scores, float* buf, float* acc, T* out) {
+  const int64_t row = Hk * D, n = L - start;
+  std::vector<float> qf(heads * D);
+  for (int64_t i = 0; i < heads * D; i += 8)
+    _mm256_storeu_ps(qf.data() + i, _mm256_mul_ps(load8(q + i), _mm256_set1_ps(scale)));
+  walk(kc, table, start, L, BS, row, h * D, [&](int64_t at, int64_t rows, const T* k) {
+    if (heads == 1) return score_rows(qf.data(), k, row, rows, D, scores + at);
+    widen_block(k, rows, row, D, buf);
+    for (int64_t g = 0; g < heads; ++g)
+      score_rows(qf.data() + g * D, buf, D, rows, D, scores + g * n + at);
+  });
+  for (int64_t g = 0; g < heads; ++g) softmax(scores + g * n, n);
+  std::fill(acc, acc + heads * D, 0.f);
+  walk(vc, table, start, L, BS, row, h * D, [&](int64_t at, int64_t rows, const T* v) {
+    if (heads == 1) return accumulate_rows(scores + at, v, row, rows, D, acc);
+    widen_block(v, rows, row, D, buf);
+    for (int64_t g = 0; g < heads; ++g)
+      accumulate_rows(scores + g * n + at, buf, D, rows, D, acc + g * D);
+  });
+  for (int64_t i = 0; i < heads * D; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
 template <typename T>
@@ -477,15 +509,18 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
                            float scale) {
   int64_t group = Hq / Hk, longest = 0, total = 0;
   for (int64_t b = 0; b < B; ++b) { longest = std::max(longest, lens[b]); total += lens[b]; }
-  // one task per (sequence, query head); a step with little work stays on the calling thread
-  int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, total / B * D / 8));
-  at::parallel_for(0, B * Hq, grain, [&](int64_t j0, int64_t j1) {
-    std::vector<float> scores(longest);
+  // One task per (sequence, KV head) when there are enough to keep the threads busy, else
+  // per (sequence, query head); a step with little work stays on the calling thread.
+  int64_t heads = B * Hk >= 4 * at::get_num_threads() ? group : 1, tasks = B * Hq / heads;
+  int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, total / B * D * heads / 8));
+  at::parallel_for(0, tasks, grain, [&](int64_t j0, int64_t j1) {
+    std::vector<float> scores(longest * heads), buf(kRows * D), acc(heads * D);
     for (int64_t j = j0; j < j1; ++j) {
-      int64_t b = j / Hq, hq = j % Hq, L = lens[b];
+      int64_t b = j * heads / Hq, hq = j * heads % Hq, L = lens[b];
       int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      attend_one(q + j * D, kc, vc, tables + b * max_blocks, start, L, BS, Hk, hq / group, D,
-                 scale, scores.data(), out + j * D);
+      attend_group(q + (b * Hq + hq) * D, kc, vc, tables + b * max_blocks, start, L, BS, Hk,
+                   hq / group, D, heads, scale, scores.data(), buf.data(), acc.data(),
+                   out + (b * Hq + hq) * D);
     }
   });
 }
