@@ -55,8 +55,7 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, eos_ids)
         if self.kernels:  # pack the projections for the C++ GEMM now, not in the first step
             for module in model.modules():
-                if isinstance(module, Linear) and module.weight.dtype in (torch.float32,
-                                                                          torch.bfloat16):
+                if isinstance(module, Linear) and module.weight.dtype in ops.KERNEL_DTYPES:
                     module.packed_weight()
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:

@@ -11,7 +11,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <iterator>
 #include <vector>
 
 using at::BFloat16;
@@ -200,11 +199,12 @@ void gemm_packed(const float* x, const W* w, const float* bias, O* out, int64_t 
       const char* start = reinterpret_cast<const char*>(panel);
       int64_t tiles = (m1 - m0 + kTileRows - 1) / kTileRows;
       int64_t share = tiles > 1 ? (bytes / (tiles - 1) + 63) / 64 * 64 : 0;
-      const char* next = start + (t + 1 < t1 && p + 1 < panels ? bytes : 0);
+      // the next panel follows this one; prefetch it only when this thread reads it next
+      const char* next = start + bytes;
+      int64_t ahead = t + 1 < t1 && p + 1 < panels ? bytes : 0;
       for (int64_t j = 0; j < tiles; ++j) {
         Prefetch pre = j == 0 ? Prefetch{start + 4096, start + 4096 + bytes}
-                              : Prefetch{next + (j - 1) * share, next + std::min(bytes, j * share)};
-        if (j > 0 && next == start) pre.end = pre.pf;  // no next panel in this thread's range
+                              : Prefetch{next + (j - 1) * share, next + std::min(ahead, j * share)};
         int64_t m = m0 + j * kTileRows;
         micro_rows(std::min(kTileRows, m1 - m), x + m * K, K, panel, K,
                    bias ? bias + n0 : nullptr, out + m * N + n0, N, cols, pre);
@@ -480,16 +480,15 @@ void accumulate_rows(const float* sc, const R* v, int64_t stride, int64_t rows, 
 template <typename T>
 void attend_group(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t start,
                   int64_t L, int64_t BS, int64_t Hk, int64_t h, int64_t D, int64_t heads,
-                  float scale, float* scores, float* buf, float* acc, T* out) {
+                  float scale, float* scores, float* buf, float* qf, float* acc, T* out) {
   const int64_t row = Hk * D, n = L - start;
-  std::vector<float> qf(heads * D);
   for (int64_t i = 0; i < heads * D; i += 8)
-    _mm256_storeu_ps(qf.data() + i, _mm256_mul_ps(load8(q + i), _mm256_set1_ps(scale)));
+    _mm256_storeu_ps(qf + i, _mm256_mul_ps(load8(q + i), _mm256_set1_ps(scale)));
   walk(kc, table, start, L, BS, row, h * D, [&](int64_t at, int64_t rows, const T* k) {
-    if (heads == 1) return score_rows(qf.data(), k, row, rows, D, scores + at);
+    if (heads == 1) return score_rows(qf, k, row, rows, D, scores + at);
     widen_block(k, rows, row, D, buf);
     for (int64_t g = 0; g < heads; ++g)
-      score_rows(qf.data() + g * D, buf, D, rows, D, scores + g * n + at);
+      score_rows(qf + g * D, buf, D, rows, D, scores + g * n + at);
   });
   for (int64_t g = 0; g < heads; ++g) softmax(scores + g * n, n);
   std::fill(acc, acc + heads * D, 0.f);
@@ -514,12 +513,12 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
   int64_t heads = B * Hk >= 4 * at::get_num_threads() ? group : 1, tasks = B * Hq / heads;
   int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, total / B * D * heads / 8));
   at::parallel_for(0, tasks, grain, [&](int64_t j0, int64_t j1) {
-    std::vector<float> scores(longest * heads), buf(kRows * D), acc(heads * D);
+    std::vector<float> scores(longest * heads), buf(kRows * D), qf(heads * D), acc(heads * D);
     for (int64_t j = j0; j < j1; ++j) {
       int64_t b = j * heads / Hq, hq = j * heads % Hq, L = lens[b];
       int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
       attend_group(q + (b * Hq + hq) * D, kc, vc, tables + b * max_blocks, start, L, BS, Hk,
-                   hq / group, D, heads, scale, scores.data(), buf.data(), acc.data(),
+                   hq / group, D, heads, scale, scores.data(), buf.data(), qf.data(), acc.data(),
                    out + (b * Hq + hq) * D);
     }
   });

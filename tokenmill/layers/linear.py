@@ -30,6 +30,6 @@ class Linear(nn.Module):
             self._packed = (key, ops.pack_weight(self.weight))
         return self._packed[1]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
         packed = self.packed_weight() if ops.uses_packed(x, self.weight) else None
-        return ops.linear(x, self.weight, self.bias, packed=packed)
+        return ops.linear(x, self.weight, self.bias, out_fp32, packed)

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 _kernels = None
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # Rows up to which the C++ small-batch GEMM beats widening bf16 weights to float32 for MKL
 # (measured crossover ~200 rows on a 2-core AVX2 machine: benchmarks in docs/performance.md).
 SMALL_BATCH = 192
@@ -41,7 +41,7 @@ def kernels(enabled: bool):
 
 
 def _fast(x: torch.Tensor) -> bool:
-    return _kernels is not None and x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES
+    return _kernels is not None and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
 
 
 # ---- references ---------------------------------------------------------------------------
@@ -107,7 +107,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     float32 accumulators (logits: bf16 rounding would turn near-ties into exact ties). The C++
     GEMM reads `packed` (pack_weight(weight), packed here when not given); larger bf16 inputs
     than SMALL_BATCH rows may go to MKL instead (see SMALL_BATCH)."""
-    if _fast(x) and weight.dtype in _KERNEL_DTYPES and x.dim() == 2:
+    if _fast(x) and weight.dtype in KERNEL_DTYPES and x.dim() == 2:
         if uses_packed(x, weight):
             packed = pack_weight(weight) if packed is None else packed
             return _kernels.linear(x, packed, bias, weight.shape[0], out_fp32)
@@ -121,7 +121,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def uses_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear(x, weight) runs the C++ GEMM, which reads packed weights."""
-    return (_fast(x) and weight.dtype in _KERNEL_DTYPES and x.dim() == 2
+    return (_fast(x) and weight.dtype in KERNEL_DTYPES and x.dim() == 2
             and x.shape[0] <= SMALL_BATCH)
 
 

@@ -164,9 +164,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # float32 logits from float32 accumulators, also for bf16 models (see ops.linear)
-        head = self.lm_head
-        packed = head.packed_weight() if ops.uses_packed(hidden, head.weight) else None
-        return ops.linear(hidden, head.weight, out_fp32=True, packed=packed)  # (rows, vocab)
+        return self.lm_head(hidden, out_fp32=True)  # (rows, vocab)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed(self, weights, PACKED)
