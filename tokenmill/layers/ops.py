@@ -16,9 +16,6 @@ import torch.nn.functional as F
 
 _kernels = None
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# Rows up to which the C++ small-batch GEMM beats widening bf16 weights to float32 for MKL
-# (measured crossover ~200 rows on a 2-core AVX2 machine: benchmarks in docs/performance.md).
-SMALL_BATCH = 192
 
 
 def available() -> bool:
@@ -105,15 +102,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out_fp32: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias, in x's dtype or, with out_fp32, in float32 straight from the
     float32 accumulators (logits: bf16 rounding would turn near-ties into exact ties). The C++
-    GEMM reads `packed` (pack_weight(weight), packed here when not given); larger bf16 inputs
-    than SMALL_BATCH rows may go to MKL instead (see SMALL_BATCH)."""
-    if _fast(x) and weight.dtype in KERNEL_DTYPES and x.dim() == 2:
-        if uses_packed(x, weight):
-            packed = pack_weight(weight) if packed is None else packed
-            return _kernels.linear(x, packed, bias, weight.shape[0], out_fp32)
-        if weight.dtype == torch.bfloat16:
-            out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-            return out if out_fp32 else out.to(x.dtype)
+    GEMM reads `packed` (pack_weight(weight), packed here when not given) for any number of
+    rows: it beat MKL on float32 (or widened bf16) weights from 1 to 2,048 rows (measured in
+    docs/performance.md)."""
+    if uses_packed(x, weight):
+        packed = pack_weight(weight) if packed is None else packed
+        return _kernels.linear(x, packed, bias, weight.shape[0], out_fp32)
     if out_fp32 and x.dtype != torch.float32:
         return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return F.linear(x, weight, bias)
@@ -121,8 +115,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def uses_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether linear(x, weight) runs the C++ GEMM, which reads packed weights."""
-    return (_fast(x) and weight.dtype in KERNEL_DTYPES and x.dim() == 2
-            and x.shape[0] <= SMALL_BATCH)
+    return _fast(x) and weight.dtype in KERNEL_DTYPES and x.dim() == 2
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window, scale):
