@@ -11,6 +11,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.cache_config import plan_kv_cache, resolve_device
+from tokenmill.engine.host_memory import keep_freed_memory
 from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request
@@ -29,6 +30,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         path = resolve_model(config.model)
         model, self.model_config, self.dtype = load_model(
             path, config.dtype, self.device, config.max_model_len
