@@ -13,7 +13,9 @@ from pathlib import Path
 
 logger = logging.getLogger("tokenmill")
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_DIR = Path(__file__).parent
+SOURCES = [_DIR / name for name in ("cpu_ops.cpp", "gemm.cpp", "elementwise.cpp", "attention.cpp")]
+HEADER = _DIR / "cpu_ops.h"
 
 
 def _cpu_has_avx2() -> bool:
@@ -28,7 +30,7 @@ def _cpu_has_avx2() -> bool:
 
 def cache_dir() -> Path:
     home = Path(os.environ.get("TOKENMILL_HOME", Path.home() / ".cache" / "tokenmill"))
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [HEADER, *SOURCES])).hexdigest()[:12]
     return home / "kernels" / digest
 
 
@@ -47,7 +49,7 @@ def load_cpu_kernels():
         build.mkdir(parents=True, exist_ok=True)
         return load(
             name="tokenmill_cpu_ops",
-            sources=[str(SOURCE)],
+            sources=[str(p) for p in SOURCES],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build),

@@ -1,6 +1,6 @@
 """Hot-path operators. Each has a plain PyTorch reference (the definition) and, on CPUs with
 AVX2, a C++ kernel that computes the same thing with one call instead of many small ops (see
-kernels/cpu_ops.cpp). tests/test_kernels.py checks that both agree.
+kernels/*.cpp). tests/test_kernels.py checks that both agree.
 
 Which path runs is decided per forward pass: a ModelRunner wraps its model calls in
 `with ops.kernels(enabled):` (TOKENMILL_KERNELS=0 disables them everywhere). Tensors on other
@@ -132,12 +132,12 @@ def decode_stack_available(x: torch.Tensor) -> bool:
 
 
 def decode_stack(*args) -> torch.Tensor:
-    """All decoder layers of a decode-only step in one C++ call (see cpu_ops.cpp)."""
+    """All decoder layers of a decode-only step in one C++ call (kernels/cpu_ops.cpp)."""
     return _kernels.decode_stack(*args)
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """(N, K) -> (ceil(N / 16), K, 16) panels for the C++ GEMM (see cpu_ops.cpp): rows padded
+    """(N, K) -> (ceil(N / 16), K, 16) panels for the C++ GEMM (kernels/gemm.cpp): rows padded
     with zeros to a multiple of 16; bf16 panels interleave rows i and 8 + i in each 32-bit lane."""
     n, k = weight.shape
     panels = -(-n // 16)
