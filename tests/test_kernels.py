@@ -46,8 +46,9 @@ def close(a, b, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 40])
-@pytest.mark.parametrize("k", [72, 3001])  # 3001: an odd k tail, and row blocks of 18 rows
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 16, 40])
+# 3: fewer than the 4 k steps of one assembly iteration; 3001: an odd k tail, row blocks of 18
+@pytest.mark.parametrize("k", [3, 72, 3001])
 def test_linear(kernels, dtype, rows, k):
     torch.manual_seed(0)
     x, w, b = torch.randn(rows, k).to(dtype), torch.randn(37, k).to(dtype), torch.randn(37)
