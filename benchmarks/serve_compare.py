@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -61,6 +62,9 @@ def server_commands(args, gguf: Path, port: int) -> dict[str, list[str]]:
     cmds["llama.cpp"] = [str(llama / "llama-server"), "-m", str(gguf), "--port", str(port),
                          "-np", str(args.concurrency), "-c", str(ctx), "-t", str(args.threads),
                          "-tb", str(args.threads), "--no-webui"]
+    if args.vllm_python and not shutil.which(args.vllm_python):
+        print(f"vLLM skipped: {args.vllm_python} is not an executable Python")
+        args.vllm_python = None
     if args.vllm_python:
         cmds["vLLM"] = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
                         "--model", str(bf16_hf_folder(args.model)), "--port", str(port),
