@@ -102,9 +102,12 @@ def test_rope_and_silu_mul(kernels, dtype, head_dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 20])
-@pytest.mark.parametrize("threads", [1, 2], indirect=True)  # 1: a task per GQA group (2 seqs
-@pytest.mark.parametrize("block_size", [8, 32])  # x 2 KV heads >= 4 x threads); 2: per q head
-def test_decode_attention(kernels, dtype, window, threads, block_size):
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("block_size", [8, 32])
+# tasks: 2 seqs x 2 KV heads >= 4 x 1 thread: per GQA group, < 4 x 2 threads: per query head;
+# 9 seqs >= 4 x threads: per sequence (both KV heads side by side)
+@pytest.mark.parametrize("seqs", [2, 9])
+def test_decode_attention(kernels, dtype, window, threads, block_size, seqs):
     from tokenmill.layers.attention import AttentionContext, PagedAttention
     from tokenmill.layers.kv_cache import KVCache
 
@@ -114,11 +117,15 @@ def test_decode_attention(kernels, dtype, window, threads, block_size):
     cache.store(0, torch.randn(slots, 2, 32), torch.randn(slots, 2, 32), torch.arange(slots))
     tables = torch.tensor([[3, 1, 4, 0, 5, 9, 2, 6], [7, 8, 0, 0, 0, 0, 0, 0]])
     lens = torch.tensor([61, 13])
-    q = torch.randn(2, 6, 32).to(dtype)
+    if seqs > 2:  # more sequences reading (sharing) the same blocks in other orders
+        more = [torch.randperm(10)[:8] for _ in range(seqs - 2)]
+        tables = torch.stack([tables[0], tables[1], *more])
+        lens = torch.cat([lens, torch.randint(1, 8 * block_size + 1, (seqs - 2,))])
+    q = torch.randn(seqs, 6, 32).to(dtype)
     attn = PagedAttention(6, 2, 32, 0, sliding_window=window)
     fast = ops.decode_attention(q, cache.k[0][0], cache.v[0][0], tables, lens, window,
                                 attn.scale)
-    ctx = AttentionContext(cache, torch.tensor([]), 2, decode_block_tables=tables,
+    ctx = AttentionContext(cache, torch.tensor([]), seqs, decode_block_tables=tables,
                            decode_seq_lens=lens)
     with ops.kernels(False):
         k, v = cache.gather(0, tables, dtype)

@@ -130,33 +130,35 @@ void accumulate_rows(const float* sc, const R* v, int64_t stride, int64_t rows, 
   for (; i < D; i += 8) accumulate_cols<1>(sc, v + i, stride, rows, acc + i);
 }
 
-// `heads` query heads sharing KV head h (a GQA group, or one head of it) of one sequence
-// against its paged K/V history (head_dim a multiple of 8). A group reads each K and V row from
-// the cache once, widened into an L1 scratch that all its heads use, instead of once per head;
-// a single head reads the cache rows directly.
+// The query heads of `kv` adjacent KV heads (from KV head h) of one sequence against its paged
+// K/V history (head_dim a multiple of 8); `heads` query heads per KV head: its whole GQA group,
+// or one head of it. The group reads each K and V row from the cache once, its `kv` heads side
+// by side (one contiguous slice of the cache row), widened into an L1 scratch that all its
+// query heads use; a single query head reads the cache rows directly.
 template <typename T>
 void attend_group(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t start,
-                  int64_t L, int64_t BS, int64_t Hk, int64_t h, int64_t D, int64_t heads,
-                  float scale, float* scores, float* buf, float* qf, float* acc, T* out) {
-  const int64_t row = Hk * D, n = L - start;
-  const Paged<T> keys{kc, table, L, BS, row, h * D, D}, values{vc, table, L, BS, row, h * D, D};
-  for (int64_t i = 0; i < heads * D; i += 8)
+                  int64_t L, int64_t BS, int64_t Hk, int64_t h, int64_t kv, int64_t D,
+                  int64_t heads, float scale, float* scores, float* buf, float* qf, float* acc,
+                  T* out) {
+  const int64_t row = Hk * D, n = L - start, W = kv * D, nq = kv * heads;
+  const Paged<T> keys{kc, table, L, BS, row, h * D, W}, values{vc, table, L, BS, row, h * D, W};
+  for (int64_t i = 0; i < nq * D; i += 8)
     _mm256_storeu_ps(qf + i, _mm256_mul_ps(load8(q + i), _mm256_set1_ps(scale)));
   walk(keys, start, [&](int64_t at, int64_t rows, const T* k) {
-    if (heads == 1) return score_rows(qf, k, row, rows, D, scores + at);
-    widen_block(k, rows, row, D, buf);
-    for (int64_t g = 0; g < heads; ++g)
-      score_rows(qf + g * D, buf, D, rows, D, scores + g * n + at);
+    if (nq == 1) return score_rows(qf, k, row, rows, D, scores + at);
+    widen_block(k, rows, row, W, buf);
+    for (int64_t g = 0; g < nq; ++g)  // query head g reads KV head g / heads
+      score_rows(qf + g * D, buf + g / heads * D, W, rows, D, scores + g * n + at);
   });
-  for (int64_t g = 0; g < heads; ++g) softmax(scores + g * n, n);
-  std::fill(acc, acc + heads * D, 0.f);
+  for (int64_t g = 0; g < nq; ++g) softmax(scores + g * n, n);
+  std::fill(acc, acc + nq * D, 0.f);
   walk(values, start, [&](int64_t at, int64_t rows, const T* v) {
-    if (heads == 1) return accumulate_rows(scores + at, v, row, rows, D, acc);
-    widen_block(v, rows, row, D, buf);
-    for (int64_t g = 0; g < heads; ++g)
-      accumulate_rows(scores + g * n + at, buf, D, rows, D, acc + g * D);
+    if (nq == 1) return accumulate_rows(scores + at, v, row, rows, D, acc);
+    widen_block(v, rows, row, W, buf);
+    for (int64_t g = 0; g < nq; ++g)
+      accumulate_rows(scores + g * n + at, buf + g / heads * D, W, rows, D, acc + g * D);
   });
-  for (int64_t i = 0; i < heads * D; ++i) out[i] = static_cast<T>(acc[i]);
+  for (int64_t i = 0; i < nq * D; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
 template <typename T>
@@ -166,18 +168,25 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
                            float scale) {
   int64_t group = Hq / Hk, longest = 0, total = 0;
   for (int64_t b = 0; b < B; ++b) { longest = std::max(longest, lens[b]); total += lens[b]; }
-  // One task per (sequence, KV head) when there are enough to keep the threads busy, else
-  // per (sequence, query head); a step with little work stays on the calling thread.
-  int64_t heads = B * Hk >= 4 * at::get_num_threads() ? group : 1, tasks = B * Hq / heads;
-  int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, total / B * D * heads / 8));
+  // Tasks: with many sequences, one per (sequence, KV heads whose cache row slice fits the
+  // scratch), which reads each cache row as one contiguous run; with fewer, one per (sequence,
+  // KV head), or per (sequence, query head) when even those are too few for the threads. A
+  // step with little work stays on the calling thread.
+  int64_t threads = at::get_num_threads(), heads = B * Hk >= 4 * threads ? group : 1, kv = 1;
+  if (B >= 4 * threads)
+    for (int64_t k = Hk; k > 1; --k)
+      if (Hk % k == 0 && k * D <= kMaxHeadDim) { kv = k; break; }
+  int64_t tasks = B * Hq / (heads * kv), per_task = heads * kv;
+  int64_t grain = std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(1, total / B * D * per_task / 8));
   at::parallel_for(0, tasks, grain, [&](int64_t j0, int64_t j1) {
-    std::vector<float> scores(longest * heads), buf(kRows * D), qf(heads * D), acc(heads * D);
+    std::vector<float> scores(longest * per_task), buf(kRows * kv * D), qf(per_task * D),
+        acc(per_task * D);
     for (int64_t j = j0; j < j1; ++j) {
-      int64_t b = j * heads / Hq, hq = j * heads % Hq, L = lens[b];
+      int64_t b = j * per_task / Hq, hq = j * per_task % Hq, L = lens[b];
       int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
       attend_group(q + (b * Hq + hq) * D, kc, vc, tables + b * max_blocks, start, L, BS, Hk,
-                   hq / group, D, heads, scale, scores.data(), buf.data(), qf.data(), acc.data(),
-                   out + (b * Hq + hq) * D);
+                   hq / group, kv, D, heads, scale, scores.data(), buf.data(), qf.data(),
+                   acc.data(), out + (b * Hq + hq) * D);
     }
   });
 }
