@@ -186,3 +186,15 @@ def test_decode_stack_equals_layer_by_layer(tiny_llama, tmp_path):
         finally:
             llama.LlamaModel._decode_stack_applies = original
         assert fused == layered, arch
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 21, 49152])
+def test_argmax(kernels, n):
+    torch.manual_seed(5)
+    x = torch.randn(6, n)
+    x[1] = x[1].round()  # ties: the first maximum wins
+    x[2, -1] = x[2].max() + 1  # the maximum in the tail (or the last vector)
+    x[3] = -float("inf")
+    x[4, n // 2] = float("nan")  # NaN counts as the largest
+    x[5, ::2] = float("nan")
+    assert torch.equal(ops.argmax(x), x.argmax(-1))

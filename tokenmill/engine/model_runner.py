@@ -126,9 +126,12 @@ class ModelRunner:
         where = {r: k for k, r in enumerate(rows)}
         logits = self.logits(hidden[self._tensor(rows)]) if rows else None
         result = StepResult([], [])
-        if sample_seqs:
-            sample_logits = logits[self._tensor([where[r] for r in last])]
-            out = self.sampler(sample_logits, sample_seqs)
+        if sample_seqs:  # rows in sampling order (no copy when they already are)
+            order = [where[r] for r in last]
+            sample_logits = logits if order == list(range(len(rows))) else logits[
+                self._tensor(order)]
+            with ops.kernels(self.kernels):
+                out = self.sampler(sample_logits, sample_seqs)
             result.token_ids, result.logprobs = out.token_ids, out.logprobs
         for seq, positions_, first_row in plp_plan:
             lp = logits[self._tensor([where[r] for r in positions_])].log_softmax(-1)

@@ -70,6 +70,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &::rms_norm, "RMSNorm, optionally fused with the residual add", release());
   m.def("rope", &::rope, "rotary embedding in place (rotate-half layout)", release());
   m.def("silu_mul", &::silu_mul, "silu(gate) * up from a fused [gate | up] tensor", release());
+  m.def("argmax_rows", &::argmax_rows, "first index of each row's maximum (float32)",
+        release());
   m.def("decode_attention", &::decode_attention, "paged attention for one query per sequence",
         release());
 }

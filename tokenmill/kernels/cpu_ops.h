@@ -88,6 +88,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps,
                        c10::optional<torch::Tensor> add);
 void rope(torch::Tensor x, torch::Tensor cos_sin, torch::Tensor positions);
 torch::Tensor silu_mul(torch::Tensor x);
+torch::Tensor argmax_rows(torch::Tensor x);
 // attention.cpp
 torch::Tensor decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                torch::Tensor block_tables, torch::Tensor seq_lens,

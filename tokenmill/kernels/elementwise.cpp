@@ -167,3 +167,47 @@ torch::Tensor silu_mul(torch::Tensor x) {
   }
   return out;
 }
+
+// x: (rows, n) float32 -> (rows,) int64: the index of each row's largest value, the first one
+// on ties, a NaN counting as the largest (torch.argmax's rules); torch.argmax took ~1 ms for 16
+// rows of 49K logits, one vectorized pass for the maximum and one for its first index ~0.1 ms.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32,
+              "argmax_rows: contiguous (rows, n) float32");
+  int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK(n > 0, "argmax_rows: empty rows");
+  auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
+  const float* base = x.data_ptr<float>();
+  int64_t* idx = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* p = base + r * n;
+      __m256 mx = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_loadu_ps(p + i);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        mx = _mm256_max_ps(mx, v);
+      }
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, mx);
+      float m = *std::max_element(lanes, lanes + 8);
+      bool has_nan = _mm256_movemask_ps(nan) != 0;
+      for (int64_t j = i; j < n; ++j) { has_nan |= std::isnan(p[j]); m = std::max(m, p[j]); }
+      int64_t at = -1;
+      if (has_nan) {
+        for (at = 0; !std::isnan(p[at]); ++at) {}
+      } else {
+        __m256 target = _mm256_set1_ps(m);
+        for (int64_t j = 0; j + 8 <= n && at < 0; j += 8) {
+          int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + j), target, _CMP_EQ_OQ));
+          if (hit) at = j + __builtin_ctz(hit);
+        }
+        if (at < 0)  // not in the vector part: in the tail
+          for (at = n / 8 * 8; p[at] != m; ++at) {}
+      }
+      idx[r] = at;
+    }
+  });
+  return out;
+}

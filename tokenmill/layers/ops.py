@@ -127,6 +127,13 @@ def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window, scale)
     return None
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x: (rows, n) -> (rows,) int64, as x.argmax(-1) (first maximum; NaN counts as largest)."""
+    if _fast(x) and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+        return _kernels.argmax_rows(x.contiguous())
+    return x.argmax(-1)
+
+
 def decode_stack_available(x: torch.Tensor) -> bool:
     return _fast(x)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.engine.sequence import Sequence
+from tokenmill.layers import ops
 from tokenmill.outputs import Logprob
 
 
@@ -93,10 +94,11 @@ class Sampler:
         # logits: (rows, vocab) float32, one row per sequence to sample
         want_logprobs = [s.params.logprobs is not None for s in seqs]
         raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
-        logits = logits.clone()
-        apply_min_tokens(logits, seqs, self.eos_ids)
-        apply_penalties(logits, seqs)
-        tokens = logits.argmax(-1)
+        if any(s.num_output_tokens < s.params.min_tokens or s.params.has_penalties for s in seqs):
+            logits = logits.clone()  # the caller's logits stay as they were
+            apply_min_tokens(logits, seqs, self.eos_ids)
+            apply_penalties(logits, seqs)
+        tokens = ops.argmax(logits)
         greedy = [s.params.greedy for s in seqs]
         if not all(greedy):
             tokens = self._draw(logits, seqs, greedy, tokens)
