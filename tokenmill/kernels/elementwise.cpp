@@ -128,7 +128,8 @@ namespace {
 
 template <typename T>
 void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  // ~8K outputs per task: a 16-row decode batch of a 1,536-wide MLP runs on both threads
+  at::parallel_for(0, rows, std::max<int64_t>(1, 8192 / I), [&](int64_t r0, int64_t r1) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (int64_t r = r0; r < r1; ++r) {
       const T* g = x + r * 2 * I;
