@@ -106,6 +106,7 @@ class LlamaModel(nn.Module):
         )
         self.cfg = cfg
         self._stack: list[torch.Tensor] | None = None  # weights for the C++ decode stack
+        self._windows: list[int] = []  # its per-layer sliding windows (0: none)
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # (tokens, hidden)
@@ -135,10 +136,10 @@ class LlamaModel(nn.Module):
                     a.q_norm.weight if hasattr(a, "q_norm") else none,
                     a.k_norm.weight if hasattr(a, "k_norm") else none,
                 ]
+            self._windows = [layer.self_attn.attn.sliding_window or 0 for layer in self.layers]
         cfg, cache = self.cfg, ctx.kv_cache
-        windows = [layer.self_attn.attn.sliding_window or 0 for layer in self.layers]
         return ops.decode_stack(
-            x, positions, self.rotary_emb.cos_sin, self._stack, windows, self.norm.weight,
+            x, positions, self.rotary_emb.cos_sin, self._stack, self._windows, self.norm.weight,
             cache.k[0], cache.v[0], ctx.slot_mapping, ctx.decode_block_tables,
             ctx.decode_seq_lens, cfg.num_attention_heads, cfg.num_key_value_heads,
             cfg.head_dim, cfg.intermediate_size, self.norm.eps, self.layers[0].self_attn.attn.scale,
