@@ -58,9 +58,10 @@ alignas(32) constexpr uint32_t kHighHalves[8] = {0xFFFF0000u, 0xFFFF0000u, 0xFFF
                                                  0xFFFF0000u, 0xFFFF0000u, 0xFFFF0000u,
                                                  0xFFFF0000u, 0xFFFF0000u};
 
-// tile[i][0:16] = sum over k < 4 * steps of x[i * ldx + k] * panel[k][0:16], i < MR (4 to 6).
+// tile[i][0:16] = sum over k < 4 * steps of x[i * ldx + k] * panel[k][0:16], i < MR (4 to 6);
+// `pre` advances past what it prefetched, so the caller's k tail goes on from there.
 template <int MR>
-void tile_bf16(const float* x, int64_t ldx, const BFloat16* panel, int64_t steps, Prefetch pre,
+void tile_bf16(const float* x, int64_t ldx, const BFloat16* panel, int64_t steps, Prefetch& pre,
                float (&tile)[MR][kPanel]) {
   static_assert(MR >= 4 && MR <= 6, "rows 0-2 are addressed from x0, rows 3-5 from x3");
   const float* x3 = x + 3 * ldx;
