@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenmill.layers.kv_quant import KV_FORMATS
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "int8", "int4")
+KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
 
 
 def _positive(name: str, value: int | None, allow_none: bool = True) -> None:

@@ -121,19 +121,21 @@ class Int4Format(KVFormat):
         return (q.float() * scale.float() + lo.float()).to(dtype)
 
 
-_FLOATS = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_FORMATS = ("float32", "bfloat16", "float16", "fp8_e4m3", "int8", "int4")
+# The one registry of KV formats: config validation, the CLI and `kv-memory` list these names.
+KV_FORMATS = {
+    "float32": lambda: KVFormat(torch.float32),
+    "bfloat16": lambda: KVFormat(torch.bfloat16),
+    "float16": lambda: KVFormat(torch.float16),
+    "fp8_e4m3": Fp8Format,
+    "int8": Int8Format,
+    "int4": Int4Format,
+}
 
 
 def kv_format(name: str | torch.dtype) -> KVFormat:
     if isinstance(name, torch.dtype):
         name = str(name).replace("torch.", "")
-    if name in _FLOATS:
-        return KVFormat(_FLOATS[name])
-    if name == "int8":
-        return Int8Format()
-    if name == "int4":
-        return Int4Format()
-    if name == "fp8_e4m3":
-        return Fp8Format()
-    raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_FORMATS)}; got {name!r}")
+    if name not in KV_FORMATS:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_FORMATS)}; "
+                         f"got {name!r}")
+    return KV_FORMATS[name]()
