@@ -1,7 +1,7 @@
 """GPT-2: learned position embeddings, pre-LayerNorm blocks, fused QKV, GELU-tanh MLP, tied head.
 
 Module and parameter names mirror Hugging Face's GPT2LMHeadModel. HF stores c_attn/c_proj/c_fc
-as Conv1D with (in, out) weights; they are transposed at load into nn.Linear's (out, in).
+as Conv1D with (in, out) weights; they are transposed at load into Linear's (out, in).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import AttentionContext, PagedAttention
+from tokenmill.layers.linear import Linear
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.loading import load_packed
 
@@ -25,8 +26,8 @@ class GPT2Attention(nn.Module):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         hidden = cfg.hidden_size
-        self.c_attn = nn.Linear(hidden, 3 * hidden)
-        self.c_proj = nn.Linear(hidden, hidden)
+        self.c_attn = Linear(hidden, [3 * hidden], bias=True)  # q | k | v: one tensor in HF
+        self.c_proj = Linear(hidden, [hidden], bias=True)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, layer_idx)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
@@ -43,8 +44,8 @@ class GPT2MLP(nn.Module):
         if cfg.hidden_act not in (*_GELU_TANH, "gelu"):
             raise ValueError(f"GPT-2 activation {cfg.hidden_act!r} is not supported")
         self.approximate = "tanh" if cfg.hidden_act in _GELU_TANH else "none"
-        self.c_fc = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.c_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        self.c_fc = Linear(cfg.hidden_size, [cfg.intermediate_size], bias=True)
+        self.c_proj = Linear(cfg.intermediate_size, [cfg.hidden_size], bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
@@ -86,7 +87,7 @@ class GPT2LMHeadModel(nn.Module):
                              f"asked for {max_positions}")
         self.config = cfg
         self.transformer = GPT2Model(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -98,7 +99,7 @@ class GPT2LMHeadModel(nn.Module):
         return self.transformer(input_ids, positions, ctx)  # (tokens, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()  # (rows, vocab)
+        return self.lm_head(hidden, out_fp32=True)  # (rows, vocab)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed(self, _hf_gpt2_names(weights))
