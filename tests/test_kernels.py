@@ -1,34 +1,38 @@
-"""Every C++ kernel against its PyTorch reference (the definition), in float32 and bfloat16,
-and whole models with kernels on and off."""
+"""Every C++ kernel against its PyTorch reference (the definition), in float32 and bfloat16, for
+every instruction set this CPU runs (the portable scalar build included), and whole models with
+kernels on and off."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.conftest import random_prompts
 from tokenmill import LLM, SamplingParams
-from tokenmill.kernels import _cpu_has_avx2, load_cpu_kernels
+from tokenmill.kernels import build, load_cpu_kernels
+from tokenmill.kernels.isa import supported_isas
 from tokenmill.layers import ops
 
-# Where the kernels can build (x86-64 with AVX2 and a C++ compiler) they must: a build error
-# would otherwise silently fall back to the reference paths and skip these tests.
-CAN_BUILD = _cpu_has_avx2() and shutil.which("c++") is not None
-pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="no AVX2 CPU or no C++ compiler here")
-
-
-def test_kernels_build_here():
-    assert load_cpu_kernels() is not None
+# Where a compiler exists the kernels must build: a build error would otherwise silently fall
+# back to the reference paths and skip these tests.
+CAN_BUILD = build.compiler() is not None
+pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="no C++ compiler here")
+ISAS = supported_isas()
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture
-def kernels():
-    with ops.kernels(True) as on:
-        yield on
+def test_kernels_build_here():
+    assert load_cpu_kernels() is not None
+    assert "scalar" in ISAS
+
+
+@pytest.fixture(params=ISAS)
+def kops(request) -> ops.KernelOps:
+    lib = load_cpu_kernels(request.param)
+    assert lib is not None and lib.isa == request.param
+    return ops.KernelOps(lib)
 
 
 @pytest.fixture
@@ -46,58 +50,77 @@ def close(a, b, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 16, 40])
-# 3: fewer than the 4 k steps of one assembly iteration; 3001: an odd k tail, row blocks of 18
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 9, 16, 40])
+# 3: fewer than the 4 k steps of one AVX2 assembly iteration; 3001: odd k tails (and an odd
+# pair in the bf16 dot-product layout), row blocks smaller than a tile
 @pytest.mark.parametrize("k", [3, 72, 3001])
-def test_linear(kernels, dtype, rows, k):
+def test_linear(kops, dtype, rows, k):
     torch.manual_seed(0)
     x, w, b = torch.randn(rows, k).to(dtype), torch.randn(37, k).to(dtype), torch.randn(37)
-    close(ops.linear(x, w, b.to(dtype)), torch.nn.functional.linear(x, w, b.to(dtype)), dtype)
-    close(ops.linear(x, w), torch.nn.functional.linear(x, w), dtype)
-    fp32 = ops.linear(x, w, out_fp32=True)
-    close(fp32, torch.nn.functional.linear(x.float(), w.float()), torch.float32)
+    lib = kops.lib
+    close(lib.linear(x, lib.pack(w, b.to(dtype))), F.linear(x, w, b.to(dtype)), dtype)
+    close(lib.linear(x, lib.pack(w)), F.linear(x, w), dtype)
+    fp32 = lib.linear(x, lib.pack(w), out_fp32=True)
+    close(fp32, F.linear(x.float(), w.float()), torch.float32)
+
+
+def expected_pack(w: torch.Tensor, isa: str, nr: int) -> torch.Tensor:
+    """The panel layouts gemm.cpp documents, built element by element."""
+    n, k = w.shape
+    pairs = isa == "avx512_bf16" and w.dtype == torch.bfloat16
+    depth = (k + 1) // 2 * 2 if pairs else k
+    panels = -(-n // nr)
+    out = torch.zeros(panels * depth * nr, dtype=w.dtype)
+    for p in range(panels):
+        for kk in range(depth):
+            for j in range(nr):
+                if pairs:
+                    slot = (kk // 2) * 2 * nr + j * 2 + kk % 2
+                elif w.dtype == torch.bfloat16:  # rows j and nr/2 + j share a 32-bit lane
+                    slot = kk * nr + (j % (nr // 2)) * 2 + j // (nr // 2)
+                else:
+                    slot = kk * nr + j
+                row = p * nr + j
+                if row < n and kk < k:
+                    out[p * depth * nr + slot] = w[row, kk]
+    return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_pack_weight_layout(dtype):
-    """Panel p, position k holds rows 16p..16p+15 at k; bf16 lanes pair row i with row 8 + i."""
+def test_pack_weight_layout(kops, dtype):
     w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3).to(dtype)
-    packed = ops.pack_weight(w)
-    assert packed.shape == (3, 3, 16) and packed.dtype == dtype
-    order = [r for i in range(8) for r in (i, 8 + i)] if dtype == torch.bfloat16 else range(16)
-    for p in range(3):
-        for k in range(3):
-            rows = [16 * p + r for r in order]
-            want = [w[r, k].item() if r < 40 else 0.0 for r in rows]
-            assert packed[p, k].tolist() == want
+    packed = kops.lib.pack(w).packed
+    assert torch.equal(packed, expected_pack(w, kops.lib.isa, kops.lib.panel_rows))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_and_residual(kernels, dtype):
+@pytest.mark.parametrize("hidden", [64, 72])  # 72: a tail after whole vectors
+def test_rms_norm_and_residual(kops, dtype, hidden):
     torch.manual_seed(1)
-    x, res, w = torch.randn(5, 64).to(dtype), torch.randn(5, 64).to(dtype), torch.rand(64).to(dtype)
-    close(ops.rms_norm(x, w, 1e-6), ops.rms_norm_ref(x, w, 1e-6), dtype)
+    x, res = torch.randn(5, hidden).to(dtype), torch.randn(5, hidden).to(dtype)
+    w = torch.rand(hidden).to(dtype)
+    close(kops.rms_norm(x, w, 1e-6), ops.rms_norm_ref(x, w, 1e-6), dtype)
     ref_res = res + x
-    out, new_res = ops.add_rms_norm(x, res.clone(), w, 1e-6)
+    out, new_res = kops.add_rms_norm(x, res.clone(), w, 1e-6)
     close(new_res, ref_res, dtype)
     close(out, ops.rms_norm_ref(ref_res, w, 1e-6), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [32, 40])  # 40: eight-lane steps and a scalar tail
-def test_rope_and_silu_mul(kernels, dtype, head_dim):
+@pytest.mark.parametrize("head_dim", [32, 40, 72])  # whole vectors and scalar tails
+def test_rope_and_silu_mul(kops, dtype, head_dim):
     from tokenmill.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(2)
     table = RotaryEmbedding(head_dim, 128, 10000.0, None).cos_sin
     q, k = torch.randn(6, 4, head_dim).to(dtype), torch.randn(6, 2, head_dim).to(dtype)
     pos = torch.tensor([0, 5, 9, 64, 100, 127])
-    fq, fk = ops.rope(q.clone(), k.clone(), table, pos)
+    fq, fk = kops.rope(q.clone(), k.clone(), table, pos)
     # the same roundings in the same order as the reference: equal, not just close
     assert torch.equal(fq, ops.rope_ref(q, table, pos))
     assert torch.equal(fk, ops.rope_ref(k, table, pos))
-    x = torch.randn(3, 2 * 48).to(dtype)
-    close(ops.silu_mul(x), ops.silu_mul_ref(x), dtype)
+    x = torch.randn(3, 2 * (head_dim + 8)).to(dtype)
+    close(kops.silu_mul(x), ops.silu_mul_ref(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -107,31 +130,44 @@ def test_rope_and_silu_mul(kernels, dtype, head_dim):
 # tasks: 2 seqs x 2 KV heads >= 4 x 1 thread: per GQA group, < 4 x 2 threads: per query head;
 # 9 seqs >= 4 x threads: per sequence (both KV heads side by side)
 @pytest.mark.parametrize("seqs", [2, 9])
-def test_decode_attention(kernels, dtype, window, threads, block_size, seqs):
+@pytest.mark.parametrize("head_dim", [32, 40])  # 40: a partial vector on AVX-512
+def test_decode_attention(kops, dtype, window, threads, block_size, seqs, head_dim):
     from tokenmill.layers.attention import AttentionContext, PagedAttention
     from tokenmill.layers.kv_cache import KVCache
 
     torch.manual_seed(3)
-    cache = KVCache(1, 10, block_size, 2, 32, dtype, torch.device("cpu"))
+    d = head_dim
+    cache = KVCache(1, 10, block_size, 2, d, dtype, torch.device("cpu"))
     slots = 10 * block_size
-    cache.store(0, torch.randn(slots, 2, 32), torch.randn(slots, 2, 32), torch.arange(slots))
+    cache.store(0, torch.randn(slots, 2, d), torch.randn(slots, 2, d), torch.arange(slots))
     tables = torch.tensor([[3, 1, 4, 0, 5, 9, 2, 6], [7, 8, 0, 0, 0, 0, 0, 0]])
     lens = torch.tensor([61, 13])
     if seqs > 2:  # more sequences reading (sharing) the same blocks in other orders
         more = [torch.randperm(10)[:8] for _ in range(seqs - 2)]
         tables = torch.stack([tables[0], tables[1], *more])
         lens = torch.cat([lens, torch.randint(1, 8 * block_size + 1, (seqs - 2,))])
-    q = torch.randn(seqs, 6, 32).to(dtype)
-    attn = PagedAttention(6, 2, 32, 0, sliding_window=window)
-    fast = ops.decode_attention(q, cache.k[0][0], cache.v[0][0], tables, lens, window,
-                                attn.scale)
+    q = torch.randn(seqs, 6, d).to(dtype)
+    attn = PagedAttention(6, 2, d, 0, sliding_window=window)
+    fast = kops.decode_attention(q, cache.k[0][0], cache.v[0][0], tables, lens, window,
+                                 attn.scale)
     ctx = AttentionContext(cache, torch.tensor([]), seqs, decode_block_tables=tables,
                            decode_seq_lens=lens)
-    with ops.kernels(False):
-        k, v = cache.gather(0, tables, dtype)
-        ref = attn._sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
-                         mask=ctx.decode_mask(window))[:, :, 0]
+    k, v = cache.gather(0, tables, dtype)
+    ref = attn._sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                     mask=ctx.decode_mask(window))[:, :, 0]
     close(fast, ref, dtype)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 21, 49152])
+def test_argmax(kops, n):
+    torch.manual_seed(5)
+    x = torch.randn(6, n)
+    x[1] = x[1].round()  # ties: the first maximum wins
+    x[2, -1] = x[2].max() + 1  # the maximum in the tail (or the last vector)
+    x[3] = -float("inf")
+    x[4, n // 2] = float("nan")  # NaN counts as the largest
+    x[5, ::2] = float("nan")
+    assert torch.equal(kops.argmax(x), x.argmax(-1))
 
 
 def greedy(path, dtype, use_kernels, prompts):
@@ -141,11 +177,13 @@ def greedy(path, dtype, use_kernels, prompts):
     return [o.outputs[0].token_ids for o in outs], llm
 
 
-def test_model_float32_kernels_equal_reference(tiny_llama):
+@pytest.mark.parametrize("isa", ISAS)
+def test_model_float32_kernels_equal_reference(tiny_llama, isa, monkeypatch):
+    monkeypatch.setenv("TOKENMILL_ISA", isa)
     prompts = random_prompts(6, 3, 70, seed=8)  # 70 > 32: chunked prefill + big-batch linear
     fast, fast_llm = greedy(tiny_llama[0], "float32", True, prompts)
     ref, ref_llm = greedy(tiny_llama[0], "float32", False, prompts)
-    assert fast_llm.engine.runner.kernels and not ref_llm.engine.runner.kernels
+    assert fast_llm.engine.runner.ops.lib.isa == isa and not ref_llm.engine.runner.kernels
     assert fast == ref
     # two engines in one process keep their own choice
     again, _ = greedy(tiny_llama[0], "float32", True, prompts)
@@ -160,10 +198,11 @@ def test_model_bfloat16_kernels_close_to_reference(tiny_llama):
     assert same / sum(len(r) for r in ref) >= 0.9  # bf16 rounding differs in summation order
 
 
-def test_decode_stack_equals_layer_by_layer(tiny_llama, tmp_path):
-    """The C++ decode stack against the same kernels called layer by layer from Python, on a
-    Qwen3 (q/k norm), a sliding-window Mistral and a QKV-bias Qwen2."""
+def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch):
+    """The fused C++ decode step against the same kernels called layer by layer from Python, on
+    a Qwen3 (q/k norm), a sliding-window Mistral and a QKV-bias Qwen2."""
     from tests.conftest import save_tiny_model
+    from tokenmill.layers.fused_decode import FusedDecoder
     from tokenmill.models import llama
 
     prompts = random_prompts(4, 3, 40, seed=10)
@@ -172,29 +211,13 @@ def test_decode_stack_equals_layer_by_layer(tiny_llama, tmp_path):
         path = tmp_path / arch
         save_tiny_model(path, arch, **extra)
         calls = []
-        real = ops.decode_stack
-        ops.decode_stack = lambda *a, calls=calls, real=real: calls.append(1) or real(*a)
-        try:
+        real = FusedDecoder.__call__
+        with monkeypatch.context() as m:
+            m.setattr(FusedDecoder, "__call__",
+                      lambda *a, calls=calls, real=real: calls.append(1) or real(*a))
             fused, _ = greedy(path, "float32", True, prompts)
-        finally:
-            ops.decode_stack = real
-        assert len(calls) >= 15  # every all-decode step went through the C++ stack
-        original = llama.LlamaModel._decode_stack_applies
-        llama.LlamaModel._decode_stack_applies = lambda *a: False
-        try:
+        assert len(calls) >= 15  # every all-decode step went through the fused step
+        with monkeypatch.context() as m:
+            m.setattr(llama.LlamaModel, "_fused_decoder", lambda *a: None)
             layered, _ = greedy(path, "float32", True, prompts)
-        finally:
-            llama.LlamaModel._decode_stack_applies = original
         assert fused == layered, arch
-
-
-@pytest.mark.parametrize("n", [1, 7, 8, 21, 49152])
-def test_argmax(kernels, n):
-    torch.manual_seed(5)
-    x = torch.randn(6, n)
-    x[1] = x[1].round()  # ties: the first maximum wins
-    x[2, -1] = x[2].max() + 1  # the maximum in the tail (or the last vector)
-    x[3] = -float("inf")
-    x[4, n // 2] = float("nan")  # NaN counts as the largest
-    x[5, ::2] = float("nan")
-    assert torch.equal(ops.argmax(x), x.argmax(-1))

@@ -8,6 +8,7 @@ import torch
 
 from tests.conftest import random_prompts
 from tokenmill import LLM, SamplingParams
+from tokenmill.engine.sampling_metadata import sampling_metadata
 from tokenmill.engine.sequence import Sequence
 from tokenmill.layers.sampler import Sampler, apply_penalties, filter_logits
 
@@ -17,7 +18,8 @@ N = 40000
 
 def draw(params: SamplingParams, logits=LOGITS, n=N) -> torch.Tensor:
     seqs = [Sequence([0], params) for _ in range(n)]
-    out = Sampler(torch.device("cpu"), seed=0)(logits.repeat(n, 1), seqs)
+    meta = sampling_metadata(seqs, [], torch.device("cpu"))
+    out = Sampler(torch.device("cpu"), seed=0)(logits.repeat(n, 1), meta)
     return torch.bincount(torch.tensor(out.token_ids), minlength=logits.numel()) / n
 
 
@@ -62,14 +64,14 @@ def test_penalties_match_transformers():
     seq = Sequence([3, 7, 7, 9], SamplingParams(repetition_penalty=1.3))
     seq.append_token(11)
     ours = logits.clone()
-    apply_penalties(ours, [seq])
+    apply_penalties(ours, sampling_metadata([seq], [], torch.device("cpu")).penalties)
     ref = RepetitionPenaltyLogitsProcessor(1.3)(torch.tensor([seq.token_ids]), logits.clone())
     assert torch.allclose(ours, ref)
     seq = Sequence([3, 7], SamplingParams(presence_penalty=0.5, frequency_penalty=0.25))
     for t in (11, 11, 12):
         seq.append_token(t)
     ours = logits.clone()
-    apply_penalties(ours, [seq])
+    apply_penalties(ours, sampling_metadata([seq], [], torch.device("cpu")).penalties)
     expected = logits.clone()
     expected[0, 11] -= 0.5 + 2 * 0.25
     expected[0, 12] -= 0.5 + 0.25

@@ -17,6 +17,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
+from tokenmill.layers import ops
 from tokenmill.loaders import load_model
 from tokenmill.loaders.resolve import load_tokenizer, resolve_model
 from tokenmill.outputs import RequestOutput
@@ -33,8 +34,9 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
         path = resolve_model(config.model)
+        backend = ops.select(config.use_kernels, self.device)
         model, self.model_config, self.dtype = load_model(
-            path, config.dtype, self.device, config.max_model_len
+            path, config.dtype, self.device, config.max_model_len, backend
         )
         self.tokenizer = load_tokenizer(config.tokenizer or path, self.model_config)
         plan = plan_kv_cache(config, self.model_config, self.dtype, self.device)
@@ -57,9 +59,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(
             model, self.model_config, plan.groups, config.block_size, plan.kv_dtype,
-            self.device, config.seed, self.eos_token_ids, config.use_kernels,
+            self.device, config.seed, self.eos_token_ids, backend,
         )
-        logger.info("CPU kernels: %s", "on" if self.runner.kernels else "off (reference ops)")
+        logger.info("ops: %s", backend.name)
         self.requests: dict[str, Request] = {}
         self._counter = 0
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tokenmill.engine.kv_manager import CacheGroup
+from tokenmill.engine.sampling_metadata import sampling_metadata
 from tokenmill.engine.sequence import Sequence
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PrefillChunk
@@ -40,9 +41,9 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         eos_ids: list[int] = (),
-        use_kernels: bool = True,
+        backend: ops.TorchOps | None = None,
     ) -> None:
-        self.kernels = use_kernels and device.type == "cpu" and ops.available()
+        self.ops = backend or ops.current()  # the op implementation the model was built with
         self.model = model
         self.config = model_config
         self.device = device
@@ -52,11 +53,16 @@ class ModelRunner:
                     model_config.head_dim, kv_dtype, device) for g in groups
         ]
         self.kv_cache = self.kv_caches[0]
-        self.sampler = Sampler(device, seed, eos_ids)
-        if self.kernels:  # pack the projections for the C++ GEMM now, not in the first step
-            for module in model.modules():
-                if isinstance(module, Linear) and module.weight.dtype in ops.KERNEL_DTYPES:
-                    module.packed_weight()
+        self.eos_ids = list(eos_ids)
+        self.sampler = Sampler(device, seed, self.ops)
+        for module in model.modules():  # pack weights (and plan GEMMs) now, not in a step
+            if isinstance(module, Linear):
+                module.prepared()
+
+    @property
+    def kernels(self) -> bool:
+        """Whether the C++ kernels run this model (else the PyTorch reference ops)."""
+        return isinstance(self.ops, ops.KernelOps)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)
@@ -102,12 +108,10 @@ class ModelRunner:
         return ctx
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
-        with ops.kernels(self.kernels):
-            return self.model(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        with ops.kernels(self.kernels):
-            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
     def execute(
@@ -130,8 +134,8 @@ class ModelRunner:
             order = [where[r] for r in last]
             sample_logits = logits if order == list(range(len(rows))) else logits[
                 self._tensor(order)]
-            with ops.kernels(self.kernels):
-                out = self.sampler(sample_logits, sample_seqs)
+            meta = sampling_metadata(sample_seqs, self.eos_ids, self.device)
+            out = self.sampler(sample_logits, meta)
             result.token_ids, result.logprobs = out.token_ids, out.logprobs
         for seq, positions_, first_row in plp_plan:
             lp = logits[self._tensor([where[r] for r in positions_])].log_softmax(-1)

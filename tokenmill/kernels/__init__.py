@@ -1,61 +1,82 @@
-"""Optional C++ CPU kernels (AVX2/FMA), compiled on first use with torch's JIT extension
-builder and cached under $TOKENMILL_HOME/kernels. When they cannot be built (no compiler, not
-x86-64 with AVX2) tokenmill runs its plain PyTorch reference paths instead."""
+"""tokenmill's C++ CPU kernels: one library per instruction set (csrc/, built by build.py),
+the best one this CPU runs chosen at start (isa.py), loaded with ctypes (lib.py).
+
+Where a library comes from: the one `pip install` built into this package (kernels/_lib/) when
+it was built from the current sources, else one built on first use into
+$TOKENMILL_HOME/kernels/<source hash>/ (a few seconds). Without a compiler the engine runs its
+plain PyTorch reference ops. Overrides: TOKENMILL_KERNELS=0 (reference ops only),
+TOKENMILL_ISA=avx2|avx512|avx512_bf16|neon|scalar (force one build; scalar is the portable one).
+"""
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import os
-import platform
 from pathlib import Path
+
+from tokenmill.kernels.build import BuildError, compile_library, library_name, source_hash
+from tokenmill.kernels.isa import DESCRIPTIONS, describe_cpu, supported_isas
+from tokenmill.kernels.lib import KernelLib
 
 logger = logging.getLogger("tokenmill")
 
-_DIR = Path(__file__).parent
-SOURCES = [_DIR / name for name in ("cpu_ops.cpp", "gemm.cpp", "elementwise.cpp", "attention.cpp")]
-HEADER = _DIR / "cpu_ops.h"
+PACKAGED = Path(__file__).parent / "_lib"
 
 
-def _cpu_has_avx2() -> bool:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return False
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx2" in flags and " fma" in flags
+def home() -> Path:
+    return Path(os.environ.get("TOKENMILL_HOME", Path.home() / ".cache" / "tokenmill"))
 
 
 def cache_dir() -> Path:
-    home = Path(os.environ.get("TOKENMILL_HOME", Path.home() / ".cache" / "tokenmill"))
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in [HEADER, *SOURCES])).hexdigest()[:12]
-    return home / "kernels" / digest
+    return home() / "kernels" / source_hash()
 
 
-@functools.lru_cache(maxsize=1)
-def load_cpu_kernels():
-    """The compiled module, or None (with the reason logged) when it is unavailable."""
+def chosen_isa() -> str:
+    """TOKENMILL_ISA when set (it must be one this CPU runs), else the best this CPU runs."""
+    isas = supported_isas()
+    forced = os.environ.get("TOKENMILL_ISA")
+    if forced:
+        if forced not in isas:
+            raise ValueError(f"TOKENMILL_ISA={forced!r}: this CPU runs {', '.join(isas)}")
+        return forced
+    return isas[0]
+
+
+def load_cpu_kernels(isa: str | None = None) -> KernelLib | None:
+    """The kernel library for `isa` (default: chosen_isa()), or None with the reason logged."""
     if os.environ.get("TOKENMILL_KERNELS", "1") == "0":
         return None
-    if not _cpu_has_avx2():
-        logger.info("CPU kernels need x86-64 with AVX2 and FMA; using PyTorch reference paths")
-        return None
-    try:
-        from torch.utils.cpp_extension import load
+    return _load(isa or chosen_isa())
 
-        build = cache_dir()
-        build.mkdir(parents=True, exist_ok=True)
-        return load(
-            name="tokenmill_cpu_ops",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build),
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja, ...: the reference paths still work
-        logger.warning("CPU kernels unavailable (%s); using PyTorch reference paths",
-                       str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+@functools.cache
+def _load(isa: str) -> KernelLib | None:
+    if isa not in supported_isas():
+        raise ValueError(f"this CPU cannot run the {isa!r} kernels; it runs "
+                         f"{', '.join(supported_isas())}")
+    try:
+        lib = KernelLib(library_path(isa))
+    except (BuildError, OSError, ValueError) as e:
+        logger.warning("CPU kernels unavailable (%s); running PyTorch reference ops (decode "
+                       "several times slower)", str(e).splitlines()[0])
         return None
+    logger.info("CPU kernels: %s (%s) on %s", isa, DESCRIPTIONS[isa], describe_cpu())
+    return lib
+
+
+def library_path(isa: str) -> Path:
+    """The packaged library when it matches the sources, else the cached one (built if needed)."""
+    name = library_name(isa)
+    for path in (PACKAGED / name, cache_dir() / name):
+        if path.exists() and _built_from_current_sources(path):
+            return path
+    logger.info("building the %s CPU kernels into %s", isa, cache_dir())
+    return compile_library(isa, cache_dir() / name)
+
+
+def _built_from_current_sources(path: Path) -> bool:
+    try:
+        return KernelLib(path).source_hash == source_hash()
+    except (OSError, ValueError):
+        return False

@@ -90,6 +90,7 @@ class PagedAttention(nn.Module):
         self.cache_group = cache_group
         self.sliding_window = sliding_window
         self.scale = scale if scale is not None else head_dim**-0.5
+        self.ops = ops.current()
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
@@ -124,8 +125,9 @@ class PagedAttention(nn.Module):
         cache = ctx.kv_cache
         if not cache.quantized:  # the C++ kernel reads the blocks in place, no gather copy
             k, v = cache.k[0][self.layer_idx], cache.v[0][self.layer_idx]
-            out = ops.decode_attention(q.contiguous(), k, v, ctx.decode_block_tables,
-                                       ctx.decode_seq_lens, self.sliding_window, self.scale)
+            out = self.ops.decode_attention(q.contiguous(), k, v, ctx.decode_block_tables,
+                                            ctx.decode_seq_lens, self.sliding_window,
+                                            self.scale)
             if out is not None:
                 return out
         k, v = cache.gather(self.layer_idx, ctx.decode_block_tables, q.dtype)

@@ -15,21 +15,22 @@ class Linear(nn.Module):
         self.sizes = list(sizes)
         self.weight = nn.Parameter(torch.empty(sum(sizes), in_features))
         self.bias = nn.Parameter(torch.empty(sum(sizes))) if bias else None
-        self._packed: tuple[tuple[int, int], torch.Tensor] | None = None
+        self.ops = ops.current()
+        self._prepared: tuple[tuple, object] | None = None
 
     def shard(self, index: int) -> slice:
         """Output rows of the index-th fused projection."""
         start = sum(self.sizes[:index])
         return slice(start, start + self.sizes[index])
 
-    def packed_weight(self) -> torch.Tensor:
-        """The weight in the C++ GEMM's panel layout (ops.pack_weight), packed on first use and
-        again whenever the weight tensor is replaced or written in place."""
-        key = (self.weight.data_ptr(), self.weight._version)
-        if self._packed is None or self._packed[0] != key:
-            self._packed = (key, ops.pack_weight(self.weight))
-        return self._packed[1]
+    def prepared(self):
+        """What the op implementation precomputes from the weight (the C++ GEMM's packed
+        panels and its GEMM plan), computed on first use and again whenever the weight or bias
+        is replaced or written in place."""
+        key = tuple((t.data_ptr(), t._version) for t in (self.weight, self.bias) if t is not None)
+        if self._prepared is None or self._prepared[0] != key:
+            self._prepared = (key, self.ops.prepare_linear(self.weight, self.bias))
+        return self._prepared[1]
 
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
-        packed = self.packed_weight() if ops.uses_packed(x, self.weight) else None
-        return ops.linear(x, self.weight, self.bias, out_fp32, packed)
+        return self.ops.linear(x, self, out_fp32)

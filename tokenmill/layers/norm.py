@@ -14,8 +14,9 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.ops = ops.current()
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return ops.rms_norm(x, self.weight, self.eps)
-        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,10 +1,13 @@
-"""Hot-path operators. Each has a plain PyTorch reference (the definition) and, on CPUs with
-AVX2, a C++ kernel that computes the same thing with one call instead of many small ops (see
-kernels/*.cpp). tests/test_kernels.py checks that both agree.
+"""Hot-path operators behind one interface, with two implementations:
 
-Which path runs is decided per forward pass: a ModelRunner wraps its model calls in
-`with ops.kernels(enabled):` (TOKENMILL_KERNELS=0 disables them everywhere). Tensors on other
-devices or in other dtypes always take the reference path.
+- TorchOps: plain PyTorch, the reference (the definition of each op), on any device and dtype;
+- KernelOps: tokenmill's C++ CPU kernels (kernels/), the same results with one call instead of
+  many small ops, for float32/bfloat16 tensors on the CPU; anything else goes to TorchOps.
+
+Implementations are chosen when modules are built, not per call (vLLM's CustomOp): a module
+keeps `ops.current()` from its constructor, and the engine builds its model inside
+`with ops.building(backend):`. Two engines in one process keep their own choice.
+tests/test_kernels.py checks every kernel against its reference.
 """
 
 from __future__ import annotations
@@ -14,31 +17,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-_kernels = None
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def available() -> bool:
-    from tokenmill.kernels import load_cpu_kernels
-
-    return load_cpu_kernels() is not None
-
-
-@contextlib.contextmanager
-def kernels(enabled: bool):
-    """Run the enclosed model code with the C++ kernels (when they built) or without."""
-    global _kernels
-    from tokenmill.kernels import load_cpu_kernels
-
-    previous, _kernels = _kernels, load_cpu_kernels() if enabled else None
-    try:
-        yield _kernels is not None
-    finally:
-        _kernels = previous
-
-
-def _fast(x: torch.Tensor) -> bool:
-    return _kernels is not None and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
 
 
 # ---- references ---------------------------------------------------------------------------
@@ -66,90 +45,154 @@ def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-# ---- dispatch -----------------------------------------------------------------------------
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _fast(x) and weight.dtype == x.dtype:
-        return _kernels.rms_norm(x.contiguous(), weight, eps, None)
-    return rms_norm_ref(x, weight, eps)
+class TorchOps:
+    """The reference implementation of every op."""
+
+    name = "torch"
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm_ref(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual + x becomes the new residual stream; returns (its norm, new residual)."""
+        residual = residual + x
+        return rms_norm_ref(residual, weight, eps), residual
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor,
+             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_ref(q, cos_sin, positions), rope_ref(k, cos_sin, positions)
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return silu_mul_ref(x)
+
+    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        """What this implementation precomputes for a weight (packed panels); None here."""
+        return None
+
+    def linear(self, x: torch.Tensor, layer, out_fp32: bool = False) -> torch.Tensor:
+        """x @ layer.weight.T + layer.bias, in x's dtype, or in float32 with out_fp32."""
+        if out_fp32 and x.dtype != torch.float32:
+            bias = None if layer.bias is None else layer.bias.float()
+            return F.linear(x.float(), layer.weight.float(), bias)
+        return F.linear(x, layer.weight, layer.bias)
+
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, window, scale):
+        """Paged attention read in place; None when this implementation has none (the caller
+        gathers the cache and uses SDPA)."""
+        return None
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (rows, n) -> (rows,) int64: first maximum, NaN counting as the largest."""
+        return x.argmax(-1)
+
+    def fused_decoder(self, weights):
+        """A callable running all decoder layers of a decode step at once, from a model's
+        named weights (layers/fused_decode.py); None when this implementation has none."""
+        return None
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """residual + x becomes the new residual stream; returns (its norm, new residual)."""
-    if _fast(x) and weight.dtype == x.dtype == residual.dtype and residual.is_contiguous():
-        return _kernels.rms_norm(residual, weight, eps, x.contiguous()), residual
-    residual = residual + x
-    return rms_norm_ref(residual, weight, eps), residual
+class KernelOps(TorchOps):
+    """The C++ kernels of one instruction set (a kernels.lib.KernelLib)."""
+
+    def __init__(self, lib, planner=None) -> None:
+        from tokenmill.kernels.gemm_plan import GemmPlanner
+
+        self.lib = lib
+        self.name = f"kernels ({lib.isa})"
+        self.planner = planner or GemmPlanner.for_lib(lib)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
+
+    def rms_norm(self, x, weight, eps):
+        if self.fits(x) and weight.dtype == x.dtype:
+            return self.lib.rms_norm(x.contiguous(), weight, eps)
+        return super().rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x, residual, weight, eps):
+        if self.fits(x) and weight.dtype == x.dtype == residual.dtype and residual.is_contiguous():
+            return self.lib.rms_norm(residual, weight, eps, add=x), residual
+        return super().add_rms_norm(x, residual, weight, eps)
+
+    def rope(self, q, k, cos_sin, positions):
+        if self.fits(q) and q.dtype == k.dtype:
+            q, k = q.contiguous(), k.contiguous()
+            self.lib.rope(q, cos_sin, positions)
+            self.lib.rope(k, cos_sin, positions)
+            return q, k
+        return super().rope(q, k, cos_sin, positions)
+
+    def silu_mul(self, x):
+        return self.lib.silu_mul(x) if self.fits(x) else super().silu_mul(x)
+
+    def prepare_linear(self, weight, bias):
+        if weight.device.type != "cpu" or weight.dtype not in KERNEL_DTYPES or weight.dim() != 2:
+            return None
+        return self.planner.prepare(weight, bias)
+
+    def linear(self, x, layer, out_fp32=False):
+        """The packed-weight GEMM, or PyTorch's (oneDNN / MKL) from the row count where the
+        GEMM planner measured it faster; logits (out_fp32) always come from the packed GEMM's
+        float32 accumulators."""
+        prepared = layer.prepared() if self.fits(x) and x.dim() == 2 else None
+        if prepared is None or x.dtype != layer.weight.dtype or (
+                not out_fp32 and x.shape[0] >= prepared.torch_from_rows):
+            return super().linear(x, layer, out_fp32)
+        return self.lib.linear(x, prepared.packed, out_fp32)
+
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, window, scale):
+        d = q.shape[-1]
+        if self.fits(q) and k_cache.dtype == q.dtype and d % 8 == 0 and d <= 256:
+            return self.lib.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
+                                             window, scale)
+        return None
+
+    def argmax(self, x):
+        if self.fits(x) and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
+            return self.lib.argmax_rows(x)
+        return super().argmax(x)
+
+    def fused_decoder(self, weights):
+        from tokenmill.layers.fused_decode import FusedDecoder
+
+        return FusedDecoder(self.lib, weights) if weights is not None else None
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    if _fast(q):
-        q, k = q.contiguous(), k.contiguous()
-        _kernels.rope(q, cos_sin, positions)
-        _kernels.rope(k, cos_sin, positions)
-        return q, k
-    return rope_ref(q, cos_sin, positions), rope_ref(k, cos_sin, positions)
+# ---- choosing -----------------------------------------------------------------------------
+_REFERENCE = TorchOps()
+_building: TorchOps = _REFERENCE
 
 
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    if _fast(x):
-        return _kernels.silu_mul(x.contiguous())
-    return silu_mul_ref(x)
+def current() -> TorchOps:
+    """The implementation for modules being built now (the reference outside `building`)."""
+    return _building
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_fp32: bool = False, packed: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, in x's dtype or, with out_fp32, in float32 straight from the
-    float32 accumulators (logits: bf16 rounding would turn near-ties into exact ties). The C++
-    GEMM reads `packed` (pack_weight(weight), packed here when not given) for any number of
-    rows: it beat MKL on float32 (or widened bf16) weights at 256, 512 and 2,048 rows too
-    (measured in docs/performance.md)."""
-    if uses_packed(x, weight):
-        packed = pack_weight(weight) if packed is None else packed
-        return _kernels.linear(x, packed, bias, weight.shape[0], out_fp32)
-    if out_fp32 and x.dtype != torch.float32:
-        return F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    return F.linear(x, weight, bias)
+@contextlib.contextmanager
+def building(backend: TorchOps):
+    """Modules constructed inside use `backend`."""
+    global _building
+    previous, _building = _building, backend
+    try:
+        yield backend
+    finally:
+        _building = previous
 
 
-def uses_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether linear(x, weight) runs the C++ GEMM, which reads packed weights."""
-    return _fast(x) and weight.dtype in KERNEL_DTYPES and x.dim() == 2
+def available() -> bool:
+    """Whether the C++ kernels load on this machine."""
+    from tokenmill.kernels import load_cpu_kernels
+
+    return load_cpu_kernels() is not None
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, seq_lens, window, scale):
-    """q: (batch, heads, head_dim) against one layer's paged cache; None when no kernel fits
-    (the caller then gathers and uses SDPA)."""
-    if _fast(q) and k_cache.dtype == q.dtype:
-        return _kernels.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                         window or 0, scale)
-    return None
+def select(use_kernels: bool, device: torch.device) -> TorchOps:
+    """The kernels for a CPU engine when they load (and are wanted), else the reference."""
+    if use_kernels and device.type == "cpu":
+        from tokenmill.kernels import load_cpu_kernels
 
-
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """x: (rows, n) -> (rows,) int64, as x.argmax(-1) (first maximum; NaN counts as largest)."""
-    if _fast(x) and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
-        return _kernels.argmax_rows(x.contiguous())
-    return x.argmax(-1)
-
-
-def decode_stack_available(x: torch.Tensor) -> bool:
-    return _fast(x)
-
-
-def decode_stack(*args) -> torch.Tensor:
-    """All decoder layers of a decode-only step in one C++ call (kernels/cpu_ops.cpp)."""
-    return _kernels.decode_stack(*args)
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """(N, K) -> (ceil(N / 16), K, 16) panels for the C++ GEMM (kernels/gemm.cpp): rows padded
-    with zeros to a multiple of 16; bf16 panels interleave rows i and 8 + i in each 32-bit lane."""
-    n, k = weight.shape
-    panels = -(-n // 16)
-    w = torch.zeros(panels * 16, k, dtype=weight.dtype, device=weight.device)
-    w[:n] = weight.detach()
-    if weight.dtype == torch.bfloat16:  # (P, 2, 8, K) -> (P, K, 8, 2)
-        return w.view(panels, 2, 8, k).permute(0, 3, 2, 1).reshape(panels, k, 16).contiguous()
-    return w.view(panels, 16, k).transpose(1, 2).contiguous()
+        lib = load_cpu_kernels()
+        if lib is not None:
+            return KernelOps(lib)
+    return _REFERENCE

@@ -51,6 +51,7 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
         self.base = base
         self.scaling = scaling
+        self.ops = ops.current()
         self.register_buffer("cos_sin", self._table(), persistent=False)
 
     def _table(self) -> torch.Tensor:
@@ -68,4 +69,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: (tokens, heads, head_dim), k: (tokens, kv_heads, head_dim), positions: (tokens,)
-        return ops.rope(q, k, self.cos_sin, positions)
+        return self.ops.rope(q, k, self.cos_sin, positions)

@@ -4,18 +4,47 @@ Order (as in vLLM): min_tokens masking, penalties, then greedy argmax or tempera
 top-k -> top-p -> random draw. The draw is inverse-CDF sampling: one uniform number per row
 (an exponential race over the vocabulary cost ~25 ms per 16 rows of 49K tokens on CPU), from a
 per-sequence torch.Generator for seeded requests, so a seeded sequence draws the same tokens
-whatever else shares its batch.
+whatever else shares its batch. The sampler sees only SamplingMetadata (plain values per row,
+built by the engine), never the engine's sequences.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from tokenmill.engine.sequence import Sequence
 from tokenmill.layers import ops
 from tokenmill.outputs import Logprob
+
+
+@dataclass
+class Penalties:
+    """One row's penalties: repetition over `seen` (prompt + output ids), presence and
+    frequency over `output` ids (OpenAI semantics)."""
+
+    repetition: float
+    presence: float
+    frequency: float
+    seen: list[int]
+    output: list[int]
+
+
+@dataclass
+class SamplingMetadata:
+    """Per row of logits: how to sample it. temperature 0 = greedy."""
+
+    temperatures: list[float]
+    top_k: list[int]  # 0 = all
+    top_p: list[float]
+    min_p: list[float]
+    generators: list[torch.Generator | None]  # a seeded request's own; None: the shared one
+    banned: list[list[int]] = field(default_factory=list)  # per row, masked (min_tokens)
+    penalties: list[Penalties | None] = field(default_factory=list)
+    logprobs: list[int | None] = field(default_factory=list)  # top-k logprobs wanted, or None
+
+    def __len__(self) -> int:
+        return len(self.temperatures)
 
 
 @dataclass
@@ -24,34 +53,32 @@ class SamplerOutput:
     logprobs: list[dict[int, Logprob] | None]
 
 
-def apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> None:
-    for i, seq in enumerate(seqs):
-        if seq.num_output_tokens < seq.params.min_tokens:
-            banned = [t for t in (*eos_ids, *seq.params.stop_token_ids) if t < logits.shape[1]]
-            logits[i, banned] = -float("inf")
+def apply_banned(logits: torch.Tensor, banned: list[list[int]]) -> None:
+    for i, tokens in enumerate(banned):
+        tokens = [t for t in tokens if t < logits.shape[1]]
+        if tokens:
+            logits[i, tokens] = -float("inf")
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+def apply_penalties(logits: torch.Tensor, penalties: list[Penalties | None]) -> None:
     """Repetition penalty over prompt + output tokens (HF/vLLM); presence and frequency
     penalties over output tokens (OpenAI semantics). In place."""
     vocab = logits.shape[1]
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if not p.has_penalties:
+    for i, p in enumerate(penalties):
+        if p is None:
             continue
         row = logits[i]
-        if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(seq.token_ids)), device=row.device, dtype=torch.long)
+        if p.repetition != 1.0:
+            seen = torch.tensor(sorted(set(p.seen)), device=row.device, dtype=torch.long)
             seen = seen[seen < vocab]
             vals = row[seen]
-            penalty = p.repetition_penalty
-            row[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
-        if p.presence_penalty or p.frequency_penalty:
-            out = torch.tensor(seq.output_token_ids, device=row.device, dtype=torch.long)
+            row[seen] = torch.where(vals > 0, vals / p.repetition, vals * p.repetition)
+        if p.presence or p.frequency:
+            out = torch.tensor(p.output, device=row.device, dtype=torch.long)
             counts = torch.zeros(vocab, device=row.device).index_add_(
                 0, out, torch.ones_like(out, dtype=torch.float)
             )
-            row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+            row -= p.frequency * counts + p.presence * (counts > 0).float()
 
 
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -78,53 +105,43 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int = 0, eos_ids: list[int] = ()) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, backend=None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.eos_ids = list(eos_ids)
+        self.ops = backend or ops.current()
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
-        if seq.params.seed is None:
-            return self.generator
-        if seq.generator is None:
-            seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-        return seq.generator
-
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: (rows, vocab) float32, one row per sequence to sample
-        want_logprobs = [s.params.logprobs is not None for s in seqs]
-        raw_logprobs = logits.log_softmax(-1) if any(want_logprobs) else None
-        if any(s.num_output_tokens < s.params.min_tokens or s.params.has_penalties for s in seqs):
+        raw_logprobs = logits.log_softmax(-1) if any(k is not None for k in meta.logprobs) else None
+        if any(meta.banned) or any(p is not None for p in meta.penalties):
             logits = logits.clone()  # the caller's logits stay as they were
-            apply_min_tokens(logits, seqs, self.eos_ids)
-            apply_penalties(logits, seqs)
-        tokens = ops.argmax(logits)
-        greedy = [s.params.greedy for s in seqs]
+            apply_banned(logits, meta.banned)
+            apply_penalties(logits, meta.penalties)
+        tokens = self.ops.argmax(logits)
+        greedy = [t == 0 for t in meta.temperatures]
         if not all(greedy):
-            tokens = self._draw(logits, seqs, greedy, tokens)
+            tokens = self._draw(logits, meta, greedy, tokens)
         token_ids = tokens.tolist()
-        logprobs = [
-            top_logprobs(raw_logprobs[i], seqs[i].params.logprobs, token_ids[i]) if want else None
-            for i, want in enumerate(want_logprobs)
-        ]
+        logprobs = [None if k is None else top_logprobs(raw_logprobs[i], k, token_ids[i])
+                    for i, k in enumerate(meta.logprobs or [None] * len(meta))]
         return SamplerOutput(token_ids, logprobs)
 
-    def _draw(self, logits, seqs, greedy, greedy_tokens) -> torch.Tensor:
+    def _draw(self, logits, meta: SamplingMetadata, greedy, greedy_tokens) -> torch.Tensor:
         dev = logits.device
-        temps = torch.tensor([1.0 if g else s.params.temperature for s, g in zip(seqs, greedy)],
+        temps = torch.tensor([1.0 if g else t for t, g in zip(meta.temperatures, greedy)],
                              device=dev)
-        top_k = torch.tensor([max(s.params.top_k, 0) for s in seqs], device=dev)
-        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
-        min_p = torch.tensor([s.params.min_p for s in seqs], device=dev)
+        top_k = torch.tensor([max(k, 0) for k in meta.top_k], device=dev)
+        top_p = torch.tensor(meta.top_p, device=dev)
+        min_p = torch.tensor(meta.min_p, device=dev)
         logits = filter_logits(logits / temps[:, None], top_k, top_p, min_p)
         cdf = logits.softmax(-1).cumsum(-1)  # (rows, vocab)
-        u = torch.empty(len(seqs), device=dev)
-        shared = [i for i, s in enumerate(seqs) if s.params.seed is None]
+        u = torch.empty(len(meta), device=dev)
+        shared = [i for i, g in enumerate(meta.generators) if g is None]
         if shared:
             u[shared] = torch.rand(len(shared), device=dev, generator=self.generator)
-        for i, seq in enumerate(seqs):
-            if seq.params.seed is not None:
-                u[i] = torch.rand(1, device=dev, generator=self._generator(seq))[0]
+        for i, gen in enumerate(meta.generators):
+            if gen is not None:
+                u[i] = torch.rand(1, device=dev, generator=gen)[0]
         # The first token whose cumulative probability exceeds u * total; u is kept below the
         # total so that a zero-probability tail (masked tokens) can never be picked.
         total = cdf[:, -1:]

@@ -21,16 +21,16 @@ def resolve_dtype(
     requested: str, checkpoint_dtype: str | None, device: torch.device
 ) -> torch.dtype:
     """'auto' keeps the checkpoint's float type (float32 when unknown). On CPU a 16-bit
-    checkpoint runs as bfloat16 when tokenmill's CPU kernels are available (they stream bf16
-    weights at memory speed) and as float32 otherwise (PyTorch's bf16/fp16 CPU matmuls are
-    slow without AVX-512)."""
+    checkpoint runs as bfloat16 when tokenmill's CPU kernels run the model being built (they
+    stream bf16 weights at memory speed) and as float32 otherwise (PyTorch's bf16/fp16 CPU
+    matmuls are slow without AVX-512)."""
     if requested != "auto":
         return _DTYPES[requested]
     dtype = _DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
     if dtype != torch.float32 and device.type == "cpu":
         from tokenmill.layers import ops
 
-        return torch.bfloat16 if ops.available() else torch.float32
+        return torch.bfloat16 if isinstance(ops.current(), ops.KernelOps) else torch.float32
     return dtype
 
 
@@ -64,8 +64,18 @@ def detect_format(path: str) -> str:
     raise ValueError(f"cannot tell the format of {path!r}: not a GGUF, llama2.c .bin or HF folder")
 
 
-def load_model(path: str, dtype: str, device: torch.device,
-               max_positions: int | None) -> tuple[nn.Module, ModelConfig, torch.dtype]:
+def load_model(path: str, dtype: str, device: torch.device, max_positions: int | None,
+               backend=None) -> tuple[nn.Module, ModelConfig, torch.dtype]:
+    """The model at path, its modules built to run on `backend` (layers/ops.py; default: the
+    current one)."""
+    from tokenmill.layers import ops
+
+    with ops.building(backend or ops.current()):
+        return _load_model(path, dtype, device, max_positions)
+
+
+def _load_model(path: str, dtype: str, device: torch.device,
+                max_positions: int | None) -> tuple[nn.Module, ModelConfig, torch.dtype]:
     fmt = detect_format(path)
     if fmt == "hf":
         from tokenmill.loaders.hf import load_hf

@@ -15,6 +15,7 @@ from torch import nn
 
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PagedAttention
+from tokenmill.layers.fused_decode import DecoderLayerWeights, DecoderWeights
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -69,9 +70,10 @@ class LlamaMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias)
         self.down_proj = Linear(inter, [cfg.hidden_size], cfg.mlp_bias)
+        self.ops = ops.current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,45 +107,47 @@ class LlamaModel(nn.Module):
             cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
         )
         self.cfg = cfg
-        self._stack: list[torch.Tensor] | None = None  # weights for the C++ decode stack
-        self._windows: list[int] = []  # its per-layer sliding windows (0: none)
+        self.ops = ops.current()
+        self._fused = None  # the fused decode step, built at the first decode-only step
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None  # (tokens, hidden)
-        if self._decode_stack_applies(x, ctx):
-            return self._decode_stack(x, positions, ctx)
+        fused = self._fused_decoder(x, ctx)
+        if fused is not None:
+            return fused(x, positions, ctx)
         for layer in self.layers:
             x, residual = layer(x, residual, positions, self.rotary_emb, ctx)
         return self.norm(x, residual)[0]
 
-    def _decode_stack_applies(self, x: torch.Tensor, ctx: AttentionContext) -> bool:
-        """One C++ call for all layers: decode-only steps on a cache in the model's dtype."""
-        return (ops.decode_stack_available(x) and not ctx.prefills
-                and ctx.num_decode_tokens == x.shape[0] and ctx.kv_cache.lossless(x.dtype)
-                and ctx.window_ctx is None and not self.cfg.mlp_bias)
+    def _fused_decoder(self, x: torch.Tensor, ctx: AttentionContext):
+        """All layers in one kernel call, for decode-only steps on a cache in the model's
+        dtype (when the op implementation has a fused decoder and this batch fits it)."""
+        if (ctx.prefills or ctx.num_decode_tokens != x.shape[0] or ctx.window_ctx is not None
+                or not ctx.kv_cache.lossless(x.dtype)):
+            return None
+        if self._fused is None:
+            self._fused = self.ops.fused_decoder(self.fused_decode_weights()) or False
+        return self._fused if self._fused and self._fused.accepts(x) else None
 
-    def _decode_stack(self, x, positions, ctx) -> torch.Tensor:
-        if self._stack is None:
-            none = torch.empty(0, dtype=x.dtype, device=x.device)
-            self._stack = []
-            for layer in self.layers:
-                a, m = layer.self_attn, layer.mlp
-                self._stack += [
-                    layer.input_layernorm.weight, a.qkv_proj.packed_weight(),
-                    none if a.qkv_proj.bias is None else a.qkv_proj.bias,
-                    a.o_proj.packed_weight(), layer.post_attention_layernorm.weight,
-                    m.gate_up_proj.packed_weight(), m.down_proj.packed_weight(),
-                    a.q_norm.weight if hasattr(a, "q_norm") else none,
-                    a.k_norm.weight if hasattr(a, "k_norm") else none,
-                ]
-            self._windows = [layer.self_attn.attn.sliding_window or 0 for layer in self.layers]
-        cfg, cache = self.cfg, ctx.kv_cache
-        return ops.decode_stack(
-            x, positions, self.rotary_emb.cos_sin, self._stack, self._windows, self.norm.weight,
-            cache.k[0], cache.v[0], ctx.slot_mapping, ctx.decode_block_tables,
-            ctx.decode_seq_lens, cfg.num_attention_heads, cfg.num_key_value_heads,
-            cfg.head_dim, cfg.intermediate_size, self.norm.eps, self.layers[0].self_attn.attn.scale,
-        )
+    def fused_decode_weights(self) -> DecoderWeights:
+        """This model's weights, named, for the fused decode step (layers/fused_decode.py)."""
+        cfg = self.cfg
+        layers = [DecoderLayerWeights(
+            input_norm=layer.input_layernorm.weight, qkv=layer.self_attn.qkv_proj,
+            q_norm=_weight_of(layer.self_attn, "q_norm"),
+            k_norm=_weight_of(layer.self_attn, "k_norm"),
+            o=layer.self_attn.o_proj, post_norm=layer.post_attention_layernorm.weight,
+            gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj,
+            window=layer.self_attn.attn.sliding_window or 0) for layer in self.layers]
+        return DecoderWeights(
+            layers, self.norm.weight, self.rotary_emb.cos_sin, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, self.norm.eps,
+            self.layers[0].self_attn.attn.scale)
+
+
+def _weight_of(module: nn.Module, name: str) -> torch.Tensor | None:
+    child = getattr(module, name, None)
+    return None if child is None else child.weight
 
 
 class LlamaForCausalLM(nn.Module):
@@ -164,7 +168,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, ctx)  # (tokens, hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # float32 logits from float32 accumulators, also for bf16 models (see ops.linear)
+        # float32 logits from float32 accumulators, also for bf16 models (see KernelOps.linear)
         return self.lm_head(hidden, out_fp32=True)  # (rows, vocab)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -1,0 +1,42 @@
+"""From the engine's sequences to the sampler's SamplingMetadata: plain per-row values, so the
+sampler (a layer) never sees engine objects."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.engine.sequence import Sequence
+from tokenmill.layers.sampler import Penalties, SamplingMetadata
+
+
+def sampling_metadata(seqs: list[Sequence], eos_ids: list[int],
+                      device: torch.device) -> SamplingMetadata:
+    params = [s.params for s in seqs]
+    return SamplingMetadata(
+        temperatures=[0.0 if p.greedy else p.temperature for p in params],
+        top_k=[p.top_k for p in params],
+        top_p=[p.top_p for p in params],
+        min_p=[p.min_p for p in params],
+        generators=[_generator(s, device) for s in seqs],
+        banned=[[*eos_ids, *s.params.stop_token_ids]
+                if s.num_output_tokens < s.params.min_tokens else [] for s in seqs],
+        penalties=[_penalties(s) for s in seqs],
+        logprobs=[p.logprobs for p in params],
+    )
+
+
+def _generator(seq: Sequence, device: torch.device) -> torch.Generator | None:
+    """A seeded sequence's own generator (created at its first draw), else None (shared)."""
+    if seq.params.seed is None:
+        return None
+    if seq.generator is None:
+        seq.generator = torch.Generator(device=device).manual_seed(seq.params.seed)
+    return seq.generator
+
+
+def _penalties(seq: Sequence) -> Penalties | None:
+    p = seq.params
+    if not p.has_penalties:
+        return None
+    return Penalties(p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                     seq.token_ids, seq.output_token_ids)

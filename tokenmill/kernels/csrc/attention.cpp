@@ -1,0 +1,209 @@
+// tokenmill CPU kernels: paged decode attention, one query token per sequence against its K/V
+// history read in place through the block table (no gather copy), on the vector layer.
+#include "tm.h"
+#include "vec.h"
+
+namespace tm {
+
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kRows = 16;  // cache rows handled (and prefetched) at a time
+
+// softmax in place over n scores
+void softmax(float* s, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+  vec m = vset1(mx), sum = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vec e = vexp(vsub(vload(s + i), m));
+    vstore(s + i, e);
+    sum = vadd(sum, e);
+  }
+  float total = vsum(sum);
+  for (; i < n; ++i) { s[i] = std::exp(s[i] - mx); total += s[i]; }
+  vec inv = vset1(1.0f / total);
+  for (i = 0; i + kLanes <= n; i += kLanes) vstore(s + i, vmul(vload(s + i), inv));
+  for (; i < n; ++i) s[i] /= total;
+}
+
+// One sequence's K or V history for some KV heads: positions [0, L) in cache blocks of BS rows
+// (`row` values apart), each read at `offset`, D values wide.
+template <typename T>
+struct Paged {
+  const T* cache;
+  const int64_t* table;
+  int64_t L, BS, row, offset, D;
+
+  const T* at(int64_t p) const { return cache + (table[p / BS] * BS + p % BS) * row + offset; }
+  // rows from p up to the end of its block, at most kRows
+  int64_t take(int64_t p) const { return std::min({BS - p % BS, L - p, kRows}); }
+  void prefetch(int64_t p, bool near) const {
+    if (p >= L) return;
+    const char* r = reinterpret_cast<const char*>(at(p));
+    const int64_t rows = take(p), stride = row * sizeof(T), bytes = D * sizeof(T);
+    for (int64_t j = 0; j < rows; ++j, r += stride)
+      for (int64_t b = 0; b < bytes; b += 64) near ? prefetch_l1(r + b) : prefetch_l2(r + b);
+  }
+};
+
+// Visit positions [start, L) up to kRows at a time, never crossing a cache block: fn(index of
+// the first position from start, rows, its cache row). Blocks lie anywhere in the cache, so the
+// hardware prefetcher loses the stream at each one: each chunk prefetches the next into L1 and
+// the one after into L2.
+template <typename T, typename Fn>
+void walk(const Paged<T>& h, int64_t start, Fn fn) {
+  for (int64_t p = start, rows; p < h.L; p += rows) {
+    rows = h.take(p);
+    h.prefetch(p + rows, true);
+    if (p + rows < h.L) h.prefetch(p + rows + h.take(p + rows), false);
+    fn(p - start, rows, h.at(p));
+  }
+}
+
+// rows x W cache values (stride `row`) -> float32 scratch (rows x W)
+template <typename T>
+void widen_block(const T* src, int64_t rows, int64_t row, int64_t W, float* dst) {
+  for (int64_t j = 0; j < rows; ++j) {
+    int64_t i = 0;
+    for (; i + kLanes <= W; i += kLanes) vstore(dst + j * W + i, vload(src + j * row + i));
+    for (; i < W; ++i) dst[j * W + i] = to_f(src[j * row + i]);
+  }
+}
+
+// sc[j] = qf . k[j] for `rows` key rows (stride `stride`): eight rows at a time, eight
+// independent FMA chains reduced together. qf is zero-padded to whole vectors.
+template <typename R>
+void score_rows(const float* qf, const R* k, int64_t stride, int64_t rows, int64_t D, float* sc) {
+  const int64_t full = D / kLanes * kLanes, tail = D - full;
+  int64_t j = 0;
+  for (; j + 8 <= rows; j += 8, k += 8 * stride) {
+    vec a[8];
+    for (int r = 0; r < 8; ++r) a[r] = vzero();
+    for (int64_t i = 0; i < full; i += kLanes) {
+      vec qv = vload(qf + i);
+      for (int r = 0; r < 8; ++r) a[r] = vfma(qv, vload(k + r * stride + i), a[r]);
+    }
+    if (tail)
+      for (int r = 0; r < 8; ++r) a[r] = vfma(vload(qf + full), vload_part(k + r * stride + full, tail), a[r]);
+    vsum8(a, sc + j);
+  }
+  for (; j < rows; ++j, k += stride) {
+    vec a = vzero();
+    for (int64_t i = 0; i < full; i += kLanes) a = vfma(vload(qf + i), vload(k + i), a);
+    if (tail) a = vfma(vload(qf + full), vload_part(k + full, tail), a);
+    sc[j] = vsum(a);
+  }
+}
+
+// acc[0 : U vectors] += sum_j sc[j] * v[j][same columns]: U accumulators stay in registers
+// across the rows (independent FMA chains); kPart loads only `part` < kLanes columns.
+template <int U, bool kPart = false, typename R>
+void accumulate_cols(const float* sc, const R* v, int64_t stride, int64_t rows, float* acc,
+                     int64_t part = kLanes) {
+  vec a[U];
+  for (int u = 0; u < U; ++u) a[u] = vload(acc + u * kLanes);
+  for (int64_t j = 0; j < rows; ++j, v += stride) {
+    vec s = vset1(sc[j]);
+    for (int u = 0; u < U; ++u)
+      a[u] = vfma(s, kPart ? vload_part(v + u * kLanes, part) : vload(v + u * kLanes), a[u]);
+  }
+  for (int u = 0; u < U; ++u) vstore(acc + u * kLanes, a[u]);
+}
+
+// acc += sum_j sc[j] * v[j] for `rows` value rows (stride `stride`); acc padded to whole vectors
+template <typename R>
+void accumulate_rows(const float* sc, const R* v, int64_t stride, int64_t rows, int64_t D,
+                     float* acc) {
+  int64_t i = 0;
+  for (; i + 8 * kLanes <= D; i += 8 * kLanes)
+    accumulate_cols<8>(sc, v + i, stride, rows, acc + i);
+  for (; i + 4 * kLanes <= D; i += 4 * kLanes) accumulate_cols<4>(sc, v + i, stride, rows, acc + i);
+  for (; i + kLanes <= D; i += kLanes) accumulate_cols<1>(sc, v + i, stride, rows, acc + i);
+  if (i < D) accumulate_cols<1, true>(sc, v + i, stride, rows, acc + i, D - i);
+}
+
+// The query heads of `kv` adjacent KV heads (from KV head h) of one sequence against its paged
+// K/V history; `heads` query heads per KV head: its whole GQA group, or one head of it. A group
+// reads each K and V row from the cache once, its `kv` heads side by side (one contiguous slice
+// of the cache row), widened into an L1 scratch that all its query heads use; a single query
+// head reads the cache rows directly.
+template <typename T>
+void attend_group(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t start,
+                  int64_t L, int64_t BS, int64_t Hk, int64_t h, int64_t kv, int64_t D,
+                  int64_t heads, float scale, float* scores, float* buf, float* qf, float* acc,
+                  T* out) {
+  const int64_t row = Hk * D, n = L - start, W = kv * D, nq = kv * heads;
+  const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;  // padded scratch row
+  const Paged<T> keys{kc, table, L, BS, row, h * D, W}, values{vc, table, L, BS, row, h * D, W};
+  for (int64_t g = 0; g < nq; ++g) {
+    std::fill(qf + g * Dp, qf + (g + 1) * Dp, 0.f);
+    for (int64_t i = 0; i < D; ++i) qf[g * Dp + i] = to_f(q[g * D + i]) * scale;
+  }
+  walk(keys, start, [&](int64_t at, int64_t rows, const T* k) {
+    if (nq == 1) return score_rows(qf, k, row, rows, D, scores + at);
+    widen_block(k, rows, row, W, buf);
+    for (int64_t g = 0; g < nq; ++g)  // query head g reads KV head g / heads
+      score_rows(qf + g * Dp, buf + g / heads * D, W, rows, D, scores + g * n + at);
+  });
+  for (int64_t g = 0; g < nq; ++g) softmax(scores + g * n, n);
+  std::fill(acc, acc + nq * Dp, 0.f);
+  walk(values, start, [&](int64_t at, int64_t rows, const T* v) {
+    if (nq == 1) return accumulate_rows(scores + at, v, row, rows, D, acc);
+    widen_block(v, rows, row, W, buf);
+    for (int64_t g = 0; g < nq; ++g)
+      accumulate_rows(scores + g * n + at, buf + g / heads * D, W, rows, D, acc + g * Dp);
+  });
+  for (int64_t g = 0; g < nq; ++g)
+    for (int64_t i = 0; i < D; ++i) out[g * D + i] = from_f<T>(acc[g * Dp + i]);
+}
+
+template <typename T>
+void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* tables,
+                           const int64_t* lens, T* out, int64_t B, int64_t Hq, int64_t Hk,
+                           int64_t D, int64_t BS, int64_t max_blocks, int64_t window,
+                           float scale) {
+  int64_t group = Hq / Hk, longest = 0, total = 0;
+  for (int64_t b = 0; b < B; ++b) { longest = std::max(longest, lens[b]); total += lens[b]; }
+  // Tasks: with many sequences, one per (sequence, KV heads whose cache row slice fits the
+  // scratch), which reads each cache row as one contiguous run; with fewer, one per (sequence,
+  // KV head), or per (sequence, query head) when even those are too few for the threads. A
+  // step with little work stays on the calling thread.
+  int64_t threads = g_threads, heads = B * Hk >= 4 * threads ? group : 1, kv = 1;
+  if (B >= 4 * threads)
+    for (int64_t k = Hk; k > 1; --k)
+      if (Hk % k == 0 && k * D <= kMaxHeadDim) { kv = k; break; }
+  int64_t tasks = B * Hq / (heads * kv), per_task = heads * kv;
+  int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
+  int64_t work = std::max<int64_t>(1, total / B * D * per_task / 8);
+  parallel_for(0, tasks, std::max<int64_t>(1, (1 << 14) / work), [&](int64_t j0, int64_t j1) {
+    std::vector<float> scores(longest * per_task), buf(kRows * kv * D + kLanes),
+        qf(per_task * Dp), acc(per_task * Dp);
+    for (int64_t j = j0; j < j1; ++j) {
+      int64_t b = j * per_task / Hq, hq = j * per_task % Hq, L = lens[b];
+      int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+      attend_group(q + (b * Hq + hq) * D, kc, vc, tables + b * max_blocks, start, L, BS, Hk,
+                   hq / group, kv, D, heads, scale, scores.data(), buf.data(), qf.data(),
+                   acc.data(), out + (b * Hq + hq) * D);
+    }
+  });
+}
+
+}  // namespace tm
+
+using namespace tm;
+
+extern "C" void tm_decode_attention(int dtype, const void* q, const void* k_cache,
+                                    const void* v_cache, int64_t block_size, int64_t kv_heads,
+                                    const int64_t* block_tables, int64_t max_blocks,
+                                    const int64_t* seq_lens, int64_t batch, int64_t heads,
+                                    int64_t head_dim, int64_t window, float scale, void* out) {
+  if (dtype == TM_BF16)
+    return decode_attention_impl(static_cast<const bf16*>(q), static_cast<const bf16*>(k_cache),
+                                 static_cast<const bf16*>(v_cache), block_tables, seq_lens,
+                                 static_cast<bf16*>(out), batch, heads, kv_heads, head_dim,
+                                 block_size, max_blocks, window, scale);
+  decode_attention_impl(static_cast<const float*>(q), static_cast<const float*>(k_cache),
+                        static_cast<const float*>(v_cache), block_tables, seq_lens,
+                        static_cast<float*>(out), batch, heads, kv_heads, head_dim, block_size,
+                        max_blocks, window, scale);
+}

@@ -1,0 +1,73 @@
+// tokenmill CPU kernels: what every kernel shares, whatever the instruction set: the bfloat16
+// storage type and its roundings, and a parallel loop over OpenMP.
+//
+// Arithmetic mirrors the PyTorch references in tokenmill/layers/ops.py: accumulate in float32,
+// round to the tensor's dtype (float32 or bfloat16) at the points where the reference rounds.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace tm {
+
+struct bf16 {  // storage only: the top 16 bits of a float32
+  uint16_t bits;
+};
+
+inline float to_f(float v) { return v; }
+inline float to_f(bf16 v) {
+  uint32_t u = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// float32 -> bfloat16, round to nearest even (PyTorch's conversion; NaN stays a NaN)
+inline bf16 to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return bf16{0x7FC0};
+  u += 0x7FFF + ((u >> 16) & 1);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+template <typename T> inline T from_f(float v);
+template <> inline float from_f<float>(float v) { return v; }
+template <> inline bf16 from_f<bf16>(float v) { return to_bf16(v); }
+
+// Round a float32 to the storage type T and back: what a bf16 tensor op's output rounding does.
+template <typename T> inline float rnd(float v) { return to_f(from_f<T>(v)); }
+
+// Threads the kernels use (set from Python to torch.get_num_threads()).
+extern int g_threads;
+
+// f(begin, end) on contiguous slices of [begin, end), one per thread, at least `grain` items
+// each (at::parallel_for's split); inline when the range is small or already inside a
+// parallel region.
+template <typename F>
+void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
+  int64_t n = end - begin;
+  if (n <= 0) return;
+  int64_t threads = std::min<int64_t>(g_threads, (n + grain - 1) / std::max<int64_t>(grain, 1));
+#ifdef _OPENMP
+  if (threads > 1 && !omp_in_parallel()) {
+    int64_t chunk = (n + threads - 1) / threads;
+#pragma omp parallel num_threads(static_cast<int>(threads))
+    {
+      int64_t b = begin + omp_get_thread_num() * chunk;
+      if (b < end) f(b, std::min(end, b + chunk));
+    }
+    return;
+  }
+#endif
+  (void)threads;
+  f(begin, end);
+}
+
+}  // namespace tm

@@ -1,0 +1,164 @@
+// tokenmill CPU kernels: RMSNorm (optionally fused with the residual add), rotary embedding,
+// SiLU-and-multiply and row argmax, on the vector layer (vec.h); scalar loops take the tails.
+#include "tm.h"
+#include "vec.h"
+
+namespace tm {
+
+template <typename T>
+void rms_norm_rows(T* x, const T* w, const T* add, T* out, int64_t rows, int64_t H, float eps) {
+  parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(H);
+    for (int64_t r = r0; r < r1; ++r) {
+      T* xr = x + r * H;
+      const T* ar = add ? add + r * H : nullptr;
+      vec ss8 = vzero();
+      int64_t i = 0;
+      for (; i + kLanes <= H; i += kLanes) {
+        // residual stream update: x = x + add, rounded to T (as the reference)
+        vec v = vload(xr + i);
+        if (ar) {
+          v = vrnd<T>(vadd(vload(ar + i), v));
+          vstore(xr + i, v);
+        }
+        vstore(buf.data() + i, v);
+        ss8 = vfma(v, v, ss8);
+      }
+      float ss = vsum(ss8);
+      for (; i < H; ++i) {
+        float v = ar ? rnd<T>(to_f(ar[i]) + to_f(xr[i])) : to_f(xr[i]);
+        if (ar) xr[i] = from_f<T>(v);
+        buf[i] = v;
+        ss += v * v;
+      }
+      float inv = 1.0f / std::sqrt(ss / H + eps);
+      vec inv8 = vset1(inv);
+      for (i = 0; i + kLanes <= H; i += kLanes) {
+        vec n = vrnd<T>(vmul(vload(buf.data() + i), inv8));
+        vstore(out + r * H + i, vmul(vload(w + i), n));
+      }
+      for (; i < H; ++i) out[r * H + i] = from_f<T>(to_f(w[i]) * rnd<T>(buf[i] * inv));
+    }
+  });
+}
+
+template <typename T>
+void rope_rows(T* x, const float* cos_sin, const int64_t* pos, int64_t tokens, int64_t heads,
+               int64_t D, int64_t table_len) {
+  int64_t half = D / 2;
+  parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> c(D), s(D);
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* cr = cos_sin + pos[t] * D;
+      const float* sr = cos_sin + (table_len + pos[t]) * D;
+      for (int64_t i = 0; i < D; ++i) { c[i] = rnd<T>(cr[i]); s[i] = rnd<T>(sr[i]); }
+      for (int64_t h = 0; h < heads; ++h) {
+        T* v = x + (t * heads + h) * D;
+        int64_t i = 0;
+        for (; i + kLanes <= half; i += kLanes) {  // q * cos + rotate_half(q) * sin, rounded
+          vec a = vload(v + i), b = vload(v + i + half);  // like the reference at each step
+          vec lo = vrnd<T>(vsub(vrnd<T>(vmul(a, vload(&c[i]))), vrnd<T>(vmul(b, vload(&s[i])))));
+          vec hi = vrnd<T>(vadd(vrnd<T>(vmul(b, vload(&c[i + half]))),
+                                vrnd<T>(vmul(a, vload(&s[i + half])))));
+          vstore(v + i, lo);
+          vstore(v + i + half, hi);
+        }
+        for (; i < half; ++i) {
+          float a = to_f(v[i]), b = to_f(v[i + half]);
+          float lo = rnd<T>(rnd<T>(a * c[i]) + rnd<T>(-b * s[i]));
+          float hi = rnd<T>(rnd<T>(b * c[i + half]) + rnd<T>(a * s[i + half]));
+          v[i] = from_f<T>(lo);
+          v[i + half] = from_f<T>(hi);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t I) {
+  // ~8K outputs per task: a 16-row decode batch of a 1,536-wide MLP runs on two threads
+  parallel_for(0, rows, std::max<int64_t>(1, 8192 / I), [&](int64_t r0, int64_t r1) {
+    const vec one = vset1(1.0f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = x + r * 2 * I;
+      const T* u = g + I;
+      T* o = out + r * I;
+      int64_t i = 0;
+      for (; i + kLanes <= I; i += kLanes) {  // silu(g) rounded to T, times up, rounded
+        vec gv = vload(g + i);
+        vec act = vrnd<T>(vdiv(gv, vadd(one, vexp(vsub(vzero(), gv)))));
+        vstore(o + i, vmul(act, vload(u + i)));
+      }
+      for (; i < I; ++i) {
+        float gv = to_f(g[i]);
+        float act = rnd<T>(gv / (1.0f + std::exp(-gv)));
+        o[i] = from_f<T>(act * to_f(u[i]));
+      }
+    }
+  });
+}
+
+// The index of a row's largest value, the first on ties, a NaN counting as the largest
+// (torch.argmax's rules): one vectorized pass for the maximum, one for its first index.
+int64_t argmax_row(const float* p, int64_t n) {
+  vec mx = vset1(-INFINITY), nan = vzero();
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    vec v = vload(p + i);
+    nan = vor(nan, vnan_mask(v));
+    mx = vmax(mx, v);
+  }
+  float m = vhmax(mx);
+  bool has_nan = vany(nan);
+  for (int64_t j = i; j < n; ++j) { has_nan |= std::isnan(p[j]); m = std::max(m, p[j]); }
+  int64_t at = 0;
+  if (has_nan) {
+    while (!std::isnan(p[at])) ++at;
+    return at;
+  }
+  vec target = vset1(m);
+  for (int64_t j = 0; j + kLanes <= n; j += kLanes) {
+    int hit = vmask_eq(vload(p + j), target);
+    if (hit) return j + __builtin_ctz(hit);
+  }
+  for (at = n / kLanes * kLanes; p[at] != m; ++at) {}  // not in the vector part: the tail
+  return at;
+}
+
+}  // namespace tm
+
+using namespace tm;
+
+extern "C" {
+
+void tm_rms_norm(int dtype, void* x, const void* w, const void* add, void* out, int64_t rows,
+                 int64_t hidden, float eps) {
+  if (dtype == TM_BF16)
+    return rms_norm_rows(static_cast<bf16*>(x), static_cast<const bf16*>(w),
+                         static_cast<const bf16*>(add), static_cast<bf16*>(out), rows, hidden, eps);
+  rms_norm_rows(static_cast<float*>(x), static_cast<const float*>(w),
+                static_cast<const float*>(add), static_cast<float*>(out), rows, hidden, eps);
+}
+
+void tm_rope(int dtype, void* x, int64_t tokens, int64_t heads, int64_t head_dim,
+             const float* cos_sin, int64_t max_positions, const int64_t* positions) {
+  if (dtype == TM_BF16)
+    return rope_rows(static_cast<bf16*>(x), cos_sin, positions, tokens, heads, head_dim,
+                     max_positions);
+  rope_rows(static_cast<float*>(x), cos_sin, positions, tokens, heads, head_dim, max_positions);
+}
+
+void tm_silu_mul(int dtype, const void* x, void* out, int64_t rows, int64_t inter) {
+  if (dtype == TM_BF16)
+    return silu_mul_rows(static_cast<const bf16*>(x), static_cast<bf16*>(out), rows, inter);
+  silu_mul_rows(static_cast<const float*>(x), static_cast<float*>(out), rows, inter);
+}
+
+void tm_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out) {
+  parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) out[r] = argmax_row(x + r * n, n);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,240 @@
+// tokenmill CPU kernels: GEMM on panel-packed weights.
+//
+// tm_pack_weight stores an (N, K) weight as ceil(N / NR) panels of NR = 2 x kLanes output rows:
+// for each k, the panel's NR weights side by side, so the micro-kernel reads two vectors per k
+// and broadcasts one input value per row; an MR x NR output tile lives in 2 x MR registers (the
+// outer-product form of BLIS). bf16 panels pair rows i and kLanes + i in each 32-bit lane (a
+// shift and a mask widen them, see vload_panel). With AVX512-BF16, bf16 panels instead hold k
+// in pairs, (k, k + 1) of each row side by side, for the dot-product instruction (gemm_dot.h).
+#include <type_traits>
+
+#include "tm.h"
+#include "vec.h"
+#ifdef TM_ISA_AVX2
+#include "gemm_avx2_asm.h"
+#endif
+
+namespace tm {
+
+constexpr int64_t kPanel = 2 * kLanes;
+#if defined(TM_ISA_AVX512) || defined(TM_ISA_AVX512_BF16)
+constexpr int kTileRows = 8;  // 16 of the 32 vector registers accumulate
+#elif defined(TM_ISA_AVX2) || defined(TM_ISA_NEON)
+constexpr int kTileRows = 6;  // 12 of 16 (AVX2) or 24 of 32 q registers (NEON)
+#else
+constexpr int kTileRows = 4;
+#endif
+
+// Software prefetch of a panel stream: `bytes` more from pf per call, up to end.
+struct Prefetch {
+  const char* pf;
+  const char* end;
+  void ahead(int64_t bytes) {
+    if (pf >= end) return;
+    for (int64_t b = 0; b < bytes; b += 64) prefetch_l1(pf + b);
+    pf += bytes;
+  }
+};
+
+// out[i, 0:cols] = tile[i] (+ bias) for MR rows: whole panels as vectors, the last one lane by lane
+template <int MR, typename O>
+void store_tile(const float (&tile)[MR][kPanel], const float* bias, O* out, int64_t ldo,
+                int64_t cols) {
+  for (int i = 0; i < MR; ++i) {
+    O* o = out + i * ldo;
+    if (cols == kPanel) {
+      vec lo = vload(tile[i]), hi = vload(tile[i] + kLanes);
+      if (bias) {
+        lo = vadd(lo, vload(bias));
+        hi = vadd(hi, vload(bias + kLanes));
+      }
+      vstore(o, lo);
+      vstore(o + kLanes, hi);
+    } else {  // the last panel of a matrix whose rows are not a multiple of NR
+      for (int64_t j = 0; j < cols; ++j) o[j] = from_f<O>(tile[i][j] + (bias ? bias[j] : 0.f));
+    }
+  }
+}
+
+// out[i, 0:cols] = x[i, :] . panel (+ bias) for MR float32 input rows (stride ldx), one panel.
+template <int MR, typename W, typename O>
+void micro(const float* x, int64_t ldx, const W* panel, int64_t K, const float* bias, O* out,
+           int64_t ldo, int64_t cols, Prefetch pre) {
+  // Few rows (decode): a second accumulator set for odd k keeps enough FMA chains in flight.
+  constexpr bool kTwoSets = MR <= 3;
+  vec c[MR][2], d[MR][2];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) c[i][0] = c[i][1] = d[i][0] = d[i][1] = vzero();
+  auto step = [&](vec (&acc)[MR][2], int64_t k) __attribute__((always_inline)) {
+    vec lo, hi;
+    vload_panel(panel + k * kPanel, lo, hi);
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) {
+      vec b = vset1(x[i * ldx + k]);
+      acc[i][0] = vfma(b, lo, acc[i][0]);
+      acc[i][1] = vfma(b, hi, acc[i][1]);
+    }
+  };
+  int64_t k = 0;
+#ifdef TM_ISA_AVX2
+  if constexpr (MR >= 4 && std::is_same_v<W, bf16>) {
+    alignas(32) float acc[MR][kPanel];
+    tile_bf16_asm<MR>(x, ldx, panel, K / 4, pre.pf, pre.end, acc);
+    k = K / 4 * 4;
+    for (int i = 0; i < MR; ++i) {
+      c[i][0] = vload(acc[i]);
+      c[i][1] = vload(acc[i] + kLanes);
+    }
+  }
+#endif
+  for (; k + 2 <= K; k += 2) {
+    pre.ahead(2 * kPanel * sizeof(W));
+    step(c, k);
+    step(kTwoSets ? d : c, k + 1);
+  }
+  if (k < K) step(c, k);
+  alignas(64) float tile[MR][kPanel];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i) {
+    vstore(tile[i], kTwoSets ? vadd(c[i][0], d[i][0]) : c[i][0]);
+    vstore(tile[i] + kLanes, kTwoSets ? vadd(c[i][1], d[i][1]) : c[i][1]);
+  }
+  store_tile<MR>(tile, bias, out, ldo, cols);
+}
+
+}  // namespace tm
+
+#ifdef TM_ISA_AVX512_BF16
+#include "gemm_dot.h"
+#endif
+
+namespace tm {
+
+// One tile of `rows` (1 to R) rows: the micro-kernel instantiated for that row count.
+template <int R, typename X, typename W, typename O, template <int, typename, typename> class M>
+struct Tiles {
+  static void run(int64_t rows, const X* x, int64_t ldx, const W* panel, int64_t K,
+                  const float* bias, O* out, int64_t ldo, int64_t cols, Prefetch pre) {
+    if (rows >= R) return M<R, W, O>::run(x, ldx, panel, K, bias, out, ldo, cols, pre);
+    if constexpr (R > 1) Tiles<R - 1, X, W, O, M>::run(rows, x, ldx, panel, K, bias, out, ldo, cols, pre);
+  }
+};
+template <int MR, typename W, typename O> struct Fma {
+  static void run(const float* x, int64_t ldx, const W* panel, int64_t K, const float* bias,
+                  O* out, int64_t ldo, int64_t cols, Prefetch pre) {
+    micro<MR, W, O>(x, ldx, panel, K, bias, out, ldo, cols, pre);
+  }
+};
+
+// Blocks of input rows sized to stay in a core's L2 while every panel streams past them; work
+// items are (row block, panel) pairs, so a decode batch splits by panels and a prefill chunk by
+// row blocks. The first row tile of a panel streams it from memory with a prefetch 4 KiB ahead;
+// later tiles find it cached and prefetch the next panel meanwhile, in equal shares.
+template <int MR, template <int, typename, typename> class M, typename X, typename W, typename O>
+void gemm_packed(const X* x, const W* w, int64_t panel_elems, const float* bias, O* out,
+                 int64_t Mrows, int64_t N, int64_t K) {
+  int64_t panels = (N + kPanel - 1) / kPanel, bytes = panel_elems * sizeof(W);
+  int64_t block = std::max<int64_t>(MR, (256 * 1024 / (int64_t(sizeof(X)) * K)) / MR * MR);
+  block = std::min(block, Mrows);
+  int64_t blocks = (Mrows + block - 1) / block;
+  parallel_for(0, blocks * panels, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t m0 = t / panels * block, m1 = std::min(Mrows, m0 + block), p = t % panels;
+      int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      const W* panel = w + p * panel_elems;
+      const char* start = reinterpret_cast<const char*>(panel);
+      int64_t tiles = (m1 - m0 + MR - 1) / MR;
+      int64_t share = tiles > 1 ? (bytes / (tiles - 1) + 63) / 64 * 64 : 0;
+      // the next panel follows this one; prefetch it only when this thread reads it next
+      const char* next = start + bytes;
+      int64_t ahead = t + 1 < t1 && p + 1 < panels ? bytes : 0;
+      for (int64_t j = 0; j < tiles; ++j) {
+        Prefetch pre = j == 0 ? Prefetch{start + 4096, start + 4096 + bytes}
+                              : Prefetch{next + (j - 1) * share, next + std::min(ahead, j * share)};
+        int64_t m = m0 + j * MR;
+        Tiles<MR, X, W, O, M>::run(std::min<int64_t>(MR, m1 - m), x + m * K, K, panel, K,
+                                   bias ? bias + n0 : nullptr, out + m * N + n0, N, cols, pre);
+      }
+    }
+  });
+}
+
+inline bool dot_layout(int dtype) {
+#ifdef TM_ISA_AVX512_BF16
+  return dtype == TM_BF16;
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
+// k positions per panel (an odd k is padded to an even one in the pair layout)
+inline int64_t panel_depth(int dtype, int64_t k) { return dot_layout(dtype) ? (k + 1) / 2 * 2 : k; }
+
+template <typename W>
+void pack(const W* w, int64_t n, int64_t k, bool pairs, W* out) {
+  int64_t depth = pairs ? (k + 1) / 2 * 2 : k, panels = (n + kPanel - 1) / kPanel;
+  parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      W* dst = out + p * depth * kPanel;
+      for (int64_t kk = 0; kk < depth; ++kk) {
+        for (int64_t j = 0; j < kPanel; ++j) {
+          // slot of (row j, k kk) in the panel: see the layouts at the top of this file
+          int64_t slot = pairs ? (kk / 2) * 2 * kPanel + j * 2 + kk % 2
+                         : std::is_same_v<W, bf16> ? kk * kPanel + (j % kLanes) * 2 + j / kLanes
+                                                   : kk * kPanel + j;
+          int64_t row = p * kPanel + j;
+          dst[slot] = row < n && kk < k ? w[row * k + kk] : W{};
+        }
+      }
+    }
+  });
+}
+
+template <typename O>
+void linear_typed(int dtype, const void* x, int64_t m, const tm_linear* w, O* out) {
+  int64_t N = w->n, K = w->k, panel_elems = panel_depth(dtype, K) * kPanel;
+  if (dtype == TM_F32) {
+    return gemm_packed<kTileRows, Fma>(static_cast<const float*>(x),
+                                       static_cast<const float*>(w->packed), panel_elems, w->bias,
+                                       out, m, N, K);
+  }
+  const bf16* xb = static_cast<const bf16*>(x);
+  const bf16* wb = static_cast<const bf16*>(w->packed);
+#ifdef TM_ISA_AVX512_BF16
+  return gemm_packed<kDotTileRows, Dot>(xb, wb, panel_elems, w->bias, out, m, N, K);
+#else
+  thread_local std::vector<float> xf;  // the FMA tiles broadcast float32 inputs
+  xf.resize(m * K);
+  float* xp = xf.data();
+  parallel_for(0, m, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * K; i < r1 * K; ++i) xp[i] = to_f(xb[i]);
+  });
+  gemm_packed<kTileRows, Fma>(static_cast<const float*>(xp), wb, panel_elems, w->bias, out, m, N, K);
+#endif
+}
+
+}  // namespace tm
+
+using namespace tm;
+
+extern "C" {
+
+int64_t tm_panel_rows(void) { return kPanel; }
+
+int64_t tm_packed_numel(int dtype, int64_t n, int64_t k) {
+  return (n + kPanel - 1) / kPanel * panel_depth(dtype, k) * kPanel;
+}
+
+void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out) {
+  if (dtype == TM_F32) return pack(static_cast<const float*>(w), n, k, false, static_cast<float*>(out));
+  pack(static_cast<const bf16*>(w), n, k, dot_layout(dtype), static_cast<bf16*>(out));
+}
+
+void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
+                   void* out) {
+  if (out_dtype == TM_F32) return linear_typed(dtype, x, m, w, static_cast<float*>(out));
+  linear_typed(dtype, x, m, w, static_cast<bf16*>(out));
+}
+
+}  // extern "C"

@@ -1,0 +1,84 @@
+/* tokenmill CPU kernels: the C interface (loaded with ctypes by tokenmill/kernels/lib.py).
+ *
+ * One shared library per instruction set is built from the same sources; every entry point
+ * takes raw pointers and sizes and trusts them (lib.py checks shapes, dtypes and contiguity).
+ * Tensors are row-major; dtype codes: TM_F32 = float32, TM_BF16 = bfloat16. */
+#pragma once
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { TM_F32 = 0, TM_BF16 = 1 };
+#define TM_ABI_VERSION 1
+
+/* A linear layer's weight in this build's packed layout (tm_pack_weight), (n, k) unpacked. */
+typedef struct {
+  const void* packed;
+  const float* bias; /* (n,) float32 or NULL */
+  int64_t n, k;
+} tm_linear;
+
+/* One Llama-family decoder layer, named as in models/llama.py. Norm weights are in the
+ * model's dtype; q_norm / k_norm are NULL when the model has none. */
+typedef struct {
+  const void* input_norm;
+  const void* post_norm;
+  const void* q_norm;
+  const void* k_norm;
+  tm_linear qkv, o, gate_up, down;
+  int64_t window; /* sliding window in tokens, 0 = none */
+} tm_layer;
+
+/* What the fused decode step reads: the layers, the final norm and the rotary table. */
+typedef struct {
+  int32_t dtype;
+  int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
+  float eps, scale;
+  const tm_layer* layers;
+  const void* final_norm;
+  const float* cos_sin; /* (2, max_positions, head_dim) float32 */
+  int64_t max_positions;
+} tm_decoder;
+
+int tm_abi_version(void);
+const char* tm_isa(void);
+const char* tm_source_hash(void);
+void tm_set_num_threads(int threads);
+
+int64_t tm_panel_rows(void);
+int64_t tm_packed_numel(int dtype, int64_t n, int64_t k);
+void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out);
+/* out (m, n) in out_dtype = x (m, k) @ w.T + bias; x in the weight's dtype */
+void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
+                   void* out);
+
+/* out = w * normalize(x); with add: x = x + add first (x is the residual stream) */
+void tm_rms_norm(int dtype, void* x, const void* w, const void* add, void* out, int64_t rows,
+                 int64_t hidden, float eps);
+/* in place on x (tokens, heads, head_dim), rotate-half layout */
+void tm_rope(int dtype, void* x, int64_t tokens, int64_t heads, int64_t head_dim,
+             const float* cos_sin, int64_t max_positions, const int64_t* positions);
+/* x (rows, 2 * inter) = [gate | up] -> out (rows, inter) = silu(gate) * up */
+void tm_silu_mul(int dtype, const void* x, void* out, int64_t rows, int64_t inter);
+/* first index of each row's maximum (NaN counts as the largest) */
+void tm_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
+/* q (batch, heads, head_dim) against one layer's paged cache (blocks, block_size, kv_heads,
+ * head_dim); block_tables (batch, max_blocks); window 0 = unlimited */
+void tm_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
+                         int64_t block_size, int64_t kv_heads, const int64_t* block_tables,
+                         int64_t max_blocks, const int64_t* seq_lens, int64_t batch,
+                         int64_t heads, int64_t head_dim, int64_t window, float scale,
+                         void* out);
+/* every decoder layer of a decode-only step: x (batch, hidden) holds the embeddings and
+ * receives the final norm's output; caches (layers, blocks, block_size, kv_heads, head_dim) */
+void tm_decode_stack(const tm_decoder* model, void* x, int64_t batch, const int64_t* positions,
+                     void* k_cache, void* v_cache, int64_t num_blocks, int64_t block_size,
+                     const int64_t* slots, const int64_t* block_tables, int64_t max_blocks,
+                     const int64_t* seq_lens);
+
+#ifdef __cplusplus
+}
+#endif

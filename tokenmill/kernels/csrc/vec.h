@@ -1,0 +1,60 @@
+// The vector layer: one small set of float32 vector operations per instruction set, chosen at
+// compile time by the TM_ISA_* macro the build passes (kernels/build.py compiles the same
+// kernel sources once per instruction set). Every kernel is written once on top of it.
+//
+//   kLanes                      float32 lanes per vector (8 on AVX2 / NEON / scalar, 16 on AVX-512)
+//   vzero vset1 vload vstore    vload widens bf16; vstore rounds to bf16 to nearest even
+//   vadd vsub vmul vdiv vmax vmin vfma(a, b, c) = a * b + c, vfnma = c - a * b, vfloor, vexp2i
+//   vsum vhmax vsum8            horizontal sum / max; eight sums of eight vectors at once
+//   vmask_eq vnan_mask vor vany comparisons for argmax
+//   vload_panel                 2 x kLanes weights of a GEMM panel (see gemm.cpp)
+//   prefetch_l1 prefetch_l2     software prefetch (none in the portable build)
+#pragma once
+
+#if defined(TM_ISA_AVX512) || defined(TM_ISA_AVX512_BF16)
+#include "vec_avx512.h"
+#elif defined(TM_ISA_AVX2)
+#include "vec_avx2.h"
+#elif defined(TM_ISA_NEON)
+#include "vec_neon.h"
+#elif defined(TM_ISA_SCALAR)
+#include "vec_scalar.h"
+#else
+#error "build with one of TM_ISA_AVX512_BF16, TM_ISA_AVX512, TM_ISA_AVX2, TM_ISA_NEON, TM_ISA_SCALAR"
+#endif
+
+namespace tm {
+
+// Round to T's precision, kept as float32 (what storing into a T tensor and reading back does).
+template <typename T> inline vec vrnd(vec v) { return v; }
+template <> inline vec vrnd<bf16>(vec v) { return vround_bf16(v); }
+
+// The first n < kLanes values (zeros after), and their store.
+template <typename T> inline vec vload_part(const T* p, int64_t n) {
+  T tmp[kLanes] = {};
+  std::memcpy(tmp, p, n * sizeof(T));
+  return vload(tmp);
+}
+template <typename T> inline void vstore_part(T* p, vec v, int64_t n) {
+  T tmp[kLanes];
+  vstore(tmp, v);
+  std::memcpy(p, tmp, n * sizeof(T));
+}
+
+// exp(x): Cephes' polynomial after range reduction (max rel. error ~2e-7).
+inline vec vexp(vec x) {
+  x = vmin(vmax(x, vset1(-87.3f)), vset1(88.3f));
+  vec fx = vfloor(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
+  x = vfnma(fx, vset1(0.693359375f), x);
+  x = vfnma(fx, vset1(-2.12194440e-4f), x);
+  vec y = vset1(1.9875691500e-4f);
+  y = vfma(y, x, vset1(1.3981999507e-3f));
+  y = vfma(y, x, vset1(8.3334519073e-3f));
+  y = vfma(y, x, vset1(4.1665795894e-2f));
+  y = vfma(y, x, vset1(1.6666665459e-1f));
+  y = vfma(y, x, vset1(5.0000001201e-1f));
+  y = vfma(y, vmul(x, x), vadd(x, vset1(1.0f)));
+  return vmul(y, vexp2i(fx));
+}
+
+}  // namespace tm

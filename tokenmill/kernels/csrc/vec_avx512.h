@@ -1,0 +1,92 @@
+// The vector layer on AVX-512 (F, BW, VL, DQ): 16 float32 lanes in a zmm register (see vec.h).
+#pragma once
+
+#include <immintrin.h>
+
+#include "common.h"
+
+namespace tm {
+
+constexpr int kLanes = 16;
+#ifdef TM_ISA_AVX512_BF16
+constexpr const char* kIsa = "avx512_bf16";
+#else
+constexpr const char* kIsa = "avx512";
+#endif
+using vec = __m512;
+
+inline vec vzero() { return _mm512_setzero_ps(); }
+inline vec vset1(float v) { return _mm512_set1_ps(v); }
+inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vec vload(const bf16* p) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline vec vround_bf16(vec v) {
+  __m512i b = _mm512_castps_si512(v);
+  __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline void vstore(bf16* p, vec v) {
+  __m512i b = _mm512_srli_epi32(_mm512_castps_si512(vround_bf16(v)), 16);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
+}
+
+inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
+inline vec vmul(vec a, vec b) { return _mm512_mul_ps(a, b); }
+inline vec vdiv(vec a, vec b) { return _mm512_div_ps(a, b); }
+inline vec vmax(vec a, vec b) { return _mm512_max_ps(a, b); }
+inline vec vmin(vec a, vec b) { return _mm512_min_ps(a, b); }
+inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline vec vfnma(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }
+inline vec vfloor(vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline vec vexp2i(vec n) {
+  __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+}
+
+inline float vsum(vec v) {  // the two halves added, then the AVX2 reduction
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline float vhmax(vec v) { return _mm512_reduce_max_ps(v); }
+inline __m256 fold(vec v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+inline void vsum8(const vec* a, float* out) {
+  __m256 s01 = _mm256_hadd_ps(fold(a[0]), fold(a[1])), s23 = _mm256_hadd_ps(fold(a[2]), fold(a[3]));
+  __m256 s45 = _mm256_hadd_ps(fold(a[4]), fold(a[5])), s67 = _mm256_hadd_ps(fold(a[6]), fold(a[7]));
+  __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
+  __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20);
+  __m256 hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
+  _mm256_storeu_ps(out, _mm256_add_ps(lo, hi));
+}
+inline int vmask_eq(vec a, vec b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline vec vnan_mask(vec v) {  // all-ones lanes where v is NaN
+  return _mm512_castsi512_ps(_mm512_movm_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)));
+}
+inline vec vor(vec a, vec b) { return _mm512_or_ps(a, b); }
+inline bool vany(vec mask) { return _mm512_movepi32_mask(_mm512_castps_si512(mask)) != 0; }
+
+inline void vload_panel(const float* p, vec& lo, vec& hi) {
+  lo = _mm512_loadu_ps(p);
+  hi = _mm512_loadu_ps(p + 16);
+}
+inline void vload_panel(const bf16* p, vec& lo, vec& hi) {
+  __m512i v = _mm512_loadu_si512(p);
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
+inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
+
+}  // namespace tm

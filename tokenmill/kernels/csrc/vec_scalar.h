@@ -1,0 +1,75 @@
+// The vector layer in plain C++: 8 float32 lanes in an array, every operation a loop. The
+// portable build: no intrinsics, no instruction-set flags; it runs wherever C++ compiles.
+#pragma once
+
+#include "common.h"
+
+namespace tm {
+
+constexpr int kLanes = 8;
+constexpr const char* kIsa = "scalar";
+struct vec {
+  float x[kLanes];
+};
+
+#define TM_LANES(expr)                          \
+  vec r;                                        \
+  for (int i = 0; i < kLanes; ++i) r.x[i] = expr; \
+  return r
+
+inline vec vzero() { TM_LANES(0.f); }
+inline vec vset1(float v) { TM_LANES(v); }
+inline vec vload(const float* p) { TM_LANES(p[i]); }
+inline vec vload(const bf16* p) { TM_LANES(to_f(p[i])); }
+inline vec vround_bf16(vec v) { TM_LANES(rnd<bf16>(v.x[i])); }
+inline void vstore(float* p, vec v) { for (int i = 0; i < kLanes; ++i) p[i] = v.x[i]; }
+inline void vstore(bf16* p, vec v) { for (int i = 0; i < kLanes; ++i) p[i] = to_bf16(v.x[i]); }
+
+inline vec vadd(vec a, vec b) { TM_LANES(a.x[i] + b.x[i]); }
+inline vec vsub(vec a, vec b) { TM_LANES(a.x[i] - b.x[i]); }
+inline vec vmul(vec a, vec b) { TM_LANES(a.x[i] * b.x[i]); }
+inline vec vdiv(vec a, vec b) { TM_LANES(a.x[i] / b.x[i]); }
+inline vec vmax(vec a, vec b) { TM_LANES(a.x[i] > b.x[i] ? a.x[i] : b.x[i]); }
+inline vec vmin(vec a, vec b) { TM_LANES(a.x[i] < b.x[i] ? a.x[i] : b.x[i]); }
+inline vec vfma(vec a, vec b, vec c) { TM_LANES(std::fma(a.x[i], b.x[i], c.x[i])); }
+inline vec vfnma(vec a, vec b, vec c) { TM_LANES(std::fma(-a.x[i], b.x[i], c.x[i])); }
+inline vec vfloor(vec v) { TM_LANES(std::floor(v.x[i])); }
+inline vec vexp2i(vec n) { TM_LANES(std::ldexp(1.0f, static_cast<int>(n.x[i]))); }
+#undef TM_LANES
+
+inline float vsum(vec v) {  // pairwise, in the order of the 8-lane x86 reductions
+  float s[4];
+  for (int i = 0; i < 4; ++i) s[i] = v.x[i] + v.x[i + 4];
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+inline float vhmax(vec v) { return *std::max_element(v.x, v.x + kLanes); }
+inline void vsum8(const vec* a, float* out) { for (int r = 0; r < 8; ++r) out[r] = vsum(a[r]); }
+inline int vmask_eq(vec a, vec b) {
+  int m = 0;
+  for (int i = 0; i < kLanes; ++i) m |= (a.x[i] == b.x[i]) << i;
+  return m;
+}
+inline vec vnan_mask(vec v) {
+  vec r;
+  for (int i = 0; i < kLanes; ++i) r.x[i] = std::isnan(v.x[i]) ? 1.f : 0.f;
+  return r;
+}
+inline vec vor(vec a, vec b) { return vmax(a, b); }  // on vnan_mask's 0/1 lanes
+inline bool vany(vec mask) { return vhmax(mask) > 0.f; }
+
+// A GEMM panel vector pair (see vec.h): bf16 element 2i is row i, element 2i + 1 row kLanes + i.
+inline void vload_panel(const float* p, vec& lo, vec& hi) {
+  lo = vload(p);
+  hi = vload(p + kLanes);
+}
+inline void vload_panel(const bf16* p, vec& lo, vec& hi) {
+  for (int i = 0; i < kLanes; ++i) {
+    lo.x[i] = to_f(p[2 * i]);
+    hi.x[i] = to_f(p[2 * i + 1]);
+  }
+}
+
+inline void prefetch_l1(const void*) {}
+inline void prefetch_l2(const void*) {}
+
+}  // namespace tm

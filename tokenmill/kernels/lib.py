@@ -1,0 +1,199 @@
+"""The compiled kernels (one library per instruction set, csrc/tm.h) behind a torch-tensor
+interface. Every call checks what the C side trusts (shapes, dtypes, contiguity), allocates the
+outputs and passes raw pointers; ctypes releases the GIL for the call, so the server's event
+loop keeps streaming while a step computes."""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_char_p, c_float, c_int, c_int64, c_void_p
+from pathlib import Path
+
+import torch
+
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
+ABI_VERSION = 1
+_P, _I = c_void_p, c_int64
+
+
+class Linear(ctypes.Structure):
+    _fields_ = [("packed", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p),
+                ("k_norm", c_void_p), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
+                ("down", Linear), ("window", c_int64)]
+
+
+class Decoder(ctypes.Structure):
+    _fields_ = [("dtype", ctypes.c_int32), ("num_layers", c_int64), ("hidden", c_int64),
+                ("heads", c_int64), ("kv_heads", c_int64), ("head_dim", c_int64),
+                ("intermediate", c_int64), ("eps", c_float), ("scale", c_float),
+                ("layers", POINTER(Layer)), ("final_norm", c_void_p), ("cos_sin", c_void_p),
+                ("max_positions", c_int64)]
+
+
+_SIGNATURES = {
+    "tm_abi_version": (c_int, []),
+    "tm_isa": (c_char_p, []),
+    "tm_source_hash": (c_char_p, []),
+    "tm_set_num_threads": (None, [c_int]),
+    "tm_panel_rows": (_I, []),
+    "tm_packed_numel": (_I, [c_int, _I, _I]),
+    "tm_pack_weight": (None, [c_int, _P, _I, _I, _P]),
+    "tm_linear_fwd": (None, [c_int, _P, _I, POINTER(Linear), c_int, _P]),
+    "tm_rms_norm": (None, [c_int, _P, _P, _P, _P, _I, _I, c_float]),
+    "tm_rope": (None, [c_int, _P, _I, _I, _I, _P, _I, _P]),
+    "tm_silu_mul": (None, [c_int, _P, _P, _I, _I]),
+    "tm_argmax_rows": (None, [_P, _I, _I, _P]),
+    "tm_decode_attention": (None, [c_int, _P, _P, _P, _I, _I, _P, _I, _P, _I, _I, _I, _I,
+                                   c_float, _P]),
+    "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, _P, _P, _I, _I, _P, _P, _I, _P]),
+}
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"tokenmill kernel: {what}")
+
+
+class PackedLinear:
+    """A weight in the library's panel layout plus its float32 bias, as the C struct reads it;
+    holds the tensors the struct points to."""
+
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int):
+        self.packed, self.bias, self.n, self.k = packed, bias, n, k
+        self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k)
+
+
+class KernelLib:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self._lib = ctypes.CDLL(str(path))
+        for name, (restype, argtypes) in _SIGNATURES.items():
+            fn = getattr(self._lib, name)
+            fn.restype, fn.argtypes = restype, argtypes
+        if self._lib.tm_abi_version() != ABI_VERSION:
+            raise ValueError(f"{path} has kernel ABI {self._lib.tm_abi_version()}, "
+                             f"expected {ABI_VERSION}")
+        self.isa = self._lib.tm_isa().decode()
+        self.source_hash = self._lib.tm_source_hash().decode()
+        self.panel_rows = self._lib.tm_panel_rows()
+        self._threads = 0
+
+    def __repr__(self) -> str:
+        return f"KernelLib({self.isa}, {self.path})"
+
+    def _sync_threads(self) -> None:
+        n = torch.get_num_threads()
+        if n != self._threads:
+            self._lib.tm_set_num_threads(n)
+            self._threads = n
+
+    # ---- GEMM -------------------------------------------------------------------------------
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+        """(n, k) float32/bfloat16 weight -> this build's panel layout."""
+        _check(weight.dim() == 2 and weight.dtype in DTYPES, "pack: 2-D float32/bf16 weight")
+        w = weight.detach().contiguous()
+        n, k = w.shape
+        dt = DTYPES[w.dtype]
+        packed = torch.empty(self._lib.tm_packed_numel(dt, n, k), dtype=w.dtype, device=w.device)
+        self._sync_threads()
+        self._lib.tm_pack_weight(dt, w.data_ptr(), n, k, packed.data_ptr())
+        b = None if bias is None else bias.detach().float().contiguous()
+        return PackedLinear(packed, b, n, k)
+
+    def linear(self, x: torch.Tensor, w: PackedLinear, out_fp32: bool = False) -> torch.Tensor:
+        """x (m, k) @ w.T + bias, in x's dtype (float32 with out_fp32: from the accumulators)."""
+        _check(x.dim() == 2 and x.shape[1] == w.k and x.dtype == w.packed.dtype,
+               f"linear: x {tuple(x.shape)} {x.dtype} vs weight ({w.n}, {w.k}) {w.packed.dtype}")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], w.n, dtype=torch.float32 if out_fp32 else x.dtype,
+                          device=x.device)
+        self._sync_threads()
+        self._lib.tm_linear_fwd(DTYPES[x.dtype], x.data_ptr(), x.shape[0], ctypes.byref(w.struct),
+                                DTYPES[out.dtype], out.data_ptr())
+        return out
+
+    # ---- elementwise ------------------------------------------------------------------------
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 add: torch.Tensor | None = None) -> torch.Tensor:
+        """weight * normalize(x); with add, x += add first, in place (x: the residual stream)."""
+        _check(x.is_contiguous() and weight.dtype == x.dtype and weight.numel() == x.shape[-1]
+               and (add is None or (add.shape == x.shape and add.dtype == x.dtype)),
+               "rms_norm: contiguous x, weight and add of x's dtype and width")
+        add = None if add is None else add.contiguous()
+        out = torch.empty_like(x)
+        h = x.shape[-1]
+        self._sync_threads()
+        self._lib.tm_rms_norm(DTYPES[x.dtype], x.data_ptr(), weight.contiguous().data_ptr(),
+                              _ptr(add), out.data_ptr(), x.numel() // h, h, eps)
+        return out
+
+    def rope(self, x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:
+        """In place on x: (tokens, heads, head_dim); cos_sin: (2, max_positions, head_dim)."""
+        _check(x.dim() == 3 and x.is_contiguous() and cos_sin.is_contiguous()
+               and cos_sin.dtype == torch.float32 and cos_sin.shape[2] == x.shape[2]
+               and positions.numel() == x.shape[0], "rope: bad shapes")
+        pos = positions.to(torch.int64).contiguous()
+        self._sync_threads()
+        self._lib.tm_rope(DTYPES[x.dtype], x.data_ptr(), *x.shape, cos_sin.data_ptr(),
+                          cos_sin.shape[1], pos.data_ptr())
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        inter = x.shape[-1] // 2
+        out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
+        self._sync_threads()
+        self._lib.tm_silu_mul(DTYPES[x.dtype], x.data_ptr(), out.data_ptr(),
+                              x.numel() // (2 * inter), inter)
+        return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        _check(x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0,
+               "argmax_rows: (rows, n) float32, n > 0")
+        x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        self._sync_threads()
+        self._lib.tm_argmax_rows(x.data_ptr(), *x.shape, out.data_ptr())
+        return out
+
+    # ---- attention --------------------------------------------------------------------------
+    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, window, scale):
+        """q: (batch, heads, head_dim) against one layer's (blocks, block_size, kv_heads,
+        head_dim) cache through block_tables (batch, max_blocks); window 0 = unlimited."""
+        _check(q.dim() == 3 and k_cache.dim() == 4 and q.dtype == k_cache.dtype == v_cache.dtype
+               and k_cache.is_contiguous() and v_cache.is_contiguous()
+               and q.shape[2] % 8 == 0 and q.shape[2] <= 256 and k_cache.shape[3] == q.shape[2],
+               "decode_attention: head_dim a multiple of 8 up to 256, caches of q's dtype")
+        q = q.contiguous()
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        out = torch.empty_like(q)
+        b, h, d = q.shape
+        self._sync_threads()
+        self._lib.tm_decode_attention(DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(),
+                                      v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
+                                      tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, h,
+                                      d, window or 0, scale, out.data_ptr())
+        return out
+
+    def decode_stack(self, decoder: Decoder, x: torch.Tensor, positions, k_cache, v_cache,
+                     slots, block_tables, seq_lens) -> torch.Tensor:
+        """All layers of a decode step (see tm.h); x (batch, hidden) holds the embeddings and
+        is returned holding the final norm's output."""
+        x = x.contiguous().clone()
+        pos, slots = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        self._sync_threads()
+        self._lib.tm_decode_stack(ctypes.byref(decoder), x.data_ptr(), x.shape[0], pos.data_ptr(),
+                                  k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+                                  k_cache.shape[2], slots.data_ptr(), tables.data_ptr(),
+                                  tables.shape[1], lens.data_ptr())
+        return x
