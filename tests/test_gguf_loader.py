@@ -145,3 +145,50 @@ def test_auto_dtype_follows_the_weights(tmp_path):
     assert quantized == (torch.bfloat16 if ops.available() else torch.float32)
     assert LLM(str(tmp_path / "f.gguf"), max_model_len=64, max_num_seqs=1).engine.dtype \
         == torch.float32
+
+
+def test_reader_matches_the_gguf_package(tmp_path):
+    """tokenmill's GGUF reader (loaders/gguf_file.py) against the `gguf` package's reader:
+    every metadata value, every tensor's offset, shape and bytes."""
+    from gguf import GGUFReader
+
+    from tokenmill.loaders.gguf_file import read_gguf
+
+    model = tiny("qwen2", tie=False)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "qwen2", model.config, model.state_dict(), QUANT_MIX)
+    ours, theirs = read_gguf(str(path)), GGUFReader(str(path))
+    for key, field in theirs.fields.items():
+        if not key.startswith("GGUF."):  # the package's own pseudo-fields
+            value = field.contents()
+            assert ours.fields[key] == (value.tolist() if hasattr(value, "tolist") else value)
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.data_offset, a.n_bytes, a.tensor_type) == (b.data_offset, b.n_bytes,
+                                                             b.tensor_type)
+        assert a.data.shape == b.data.shape and np.array_equal(a.data, np.asarray(b.data))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_corrupted_header_is_a_clear_error_or_loads(tmp_path, seed):
+    """Random bytes overwritten in the header and metadata: the reader either reads a
+    consistent file or raises a one-line ValueError; never another exception, a hang or a
+    huge allocation."""
+    from tokenmill.loaders.gguf_file import open_gguf
+
+    model = tiny("llama", tie=True)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", model.config, model.state_dict())
+    data = bytearray(path.read_bytes())
+    rng = np.random.default_rng(seed)
+    header_end = 4096
+    for at in rng.integers(4, header_end, size=int(rng.integers(1, 6))):
+        data[at] = int(rng.integers(0, 256))
+    bad = tmp_path / f"bad{seed}.gguf"
+    bad.write_bytes(bytes(data))
+    try:
+        f = open_gguf(str(bad))
+    except ValueError as e:
+        assert "\n" not in str(e) and "bad" in str(e)
+    else:
+        assert all(t.data_offset + t.n_bytes <= len(data) for t in f.tensors)

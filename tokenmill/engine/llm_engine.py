@@ -17,9 +17,10 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.startup import Stopwatch
 from tokenmill.layers import ops
 from tokenmill.loaders import load_model
-from tokenmill.loaders.resolve import load_tokenizer, resolve_model
+from tokenmill.loaders.resolve import load_tokenizer, read_model_config, resolve_model
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -28,17 +29,23 @@ logger = logging.getLogger("tokenmill")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        clock = Stopwatch()
         self.device = resolve_device(config.device)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cpu":
             keep_freed_memory()
         path = resolve_model(config.model)
+        read_model_config(path)  # parsed once, reused by the loaders
+        clock.lap("metadata")
         backend = ops.select(config.use_kernels, self.device)
+        clock.lap("kernel library")
         model, self.model_config, self.dtype = load_model(
             path, config.dtype, self.device, config.max_model_len, backend
         )
+        clock.lap("weights")
         self.tokenizer = load_tokenizer(config.tokenizer or path, self.model_config)
+        clock.lap("tokenizer")
         plan = plan_kv_cache(config, self.model_config, self.dtype, self.device)
         self.config = config = replace(
             config, max_model_len=plan.max_model_len,
@@ -61,7 +68,11 @@ class LLMEngine:
             model, self.model_config, plan.groups, config.block_size, plan.kv_dtype,
             self.device, config.seed, self.eos_token_ids, backend,
         )
-        logger.info("ops: %s", backend.name)
+        clock.lap("kv cache")
+        self.runner.prepare_weights()
+        clock.lap("packing")
+        self.startup = clock
+        logger.info("ops: %s; %s", backend.name, clock.describe())
         self.requests: dict[str, Request] = {}
         self._counter = 0
 

@@ -55,7 +55,10 @@ class ModelRunner:
         self.kv_cache = self.kv_caches[0]
         self.eos_ids = list(eos_ids)
         self.sampler = Sampler(device, seed, self.ops)
-        for module in model.modules():  # pack weights (and plan GEMMs) now, not in a step
+
+    def prepare_weights(self) -> None:
+        """Pack every linear layer's weight (and plan its GEMMs) now, not in the first step."""
+        for module in self.model.modules():
             if isinstance(module, Linear):
                 module.prepared()
 

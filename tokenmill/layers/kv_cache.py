@@ -7,6 +7,9 @@ gather() reads whole blocks through block tables and decodes them to the compute
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from tokenmill.layers.kv_quant import KVFormat, kv_format
@@ -27,6 +30,16 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
     return 2 * num_layers * num_kv_heads * kv_format(kv_dtype).bytes_per_head(head_dim)
 
 
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On the CPU its pages come from calloc (numpy), which the OS maps to zero
+    pages written on first use: resident memory and start-up time follow the tokens cached,
+    not the budget (torch.zeros writes every byte at allocation)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 class KVCache:
     def __init__(
         self,
@@ -44,9 +57,8 @@ class KVCache:
         self.bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype)
         prefix = (num_layers, num_blocks, block_size, num_kv_heads)
         # Zeros, not empty: padded slots are masked out, but 0 * NaN would still poison softmax @ V.
-        self.k = [torch.zeros(*prefix, w, dtype=d, device=device)
-                  for w, d in self.format.part_specs(head_dim)]
-        self.v = [torch.zeros_like(p) for p in self.k]
+        self.k = [zeros((*prefix, w), d, device) for w, d in self.format.part_specs(head_dim)]
+        self.v = [zeros(p.shape, p.dtype, device) for p in self.k]
 
     @property
     def quantized(self) -> bool:

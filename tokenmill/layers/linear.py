@@ -1,5 +1,6 @@
 """Linear layer whose output may be several projections fused side by side (q|k|v, gate|up):
-one matmul reads the input once. `sizes` records each part's width for split()."""
+one matmul reads the input once. `sizes` records each part's width for split(). Also the
+embedding table, built like the other layers: uninitialized, for the checkpoint to fill."""
 
 from __future__ import annotations
 
@@ -34,3 +35,9 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
         return self.ops.linear(x, self, out_fp32)
+
+
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding without its random init (the checkpoint overwrites it; under the meta
+    device the init also imported ~1 s of PyTorch's reference decompositions at start)."""
+    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))

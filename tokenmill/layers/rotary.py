@@ -17,7 +17,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (base**exponents)  # (head_dim/2,)
     rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if rope_type == "default":
@@ -55,8 +55,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", self._table(), persistent=False)
 
     def _table(self) -> torch.Tensor:
+        # on the CPU even while the model is built on the meta device (where these ops run
+        # PyTorch's Python decompositions, whose first use imported ~1 s of sympy)
         inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling)
-        positions = torch.arange(self.max_positions, dtype=torch.int64).float()
+        positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
         freqs = positions[:, None] * inv_freq[None, :]  # (positions, head_dim/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (positions, head_dim)
         return torch.stack((emb.cos(), emb.sin()))  # (2, positions, head_dim)

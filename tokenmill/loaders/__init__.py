@@ -36,15 +36,24 @@ def resolve_dtype(
 
 def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
                 max_positions: int) -> nn.Module:
-    """Instantiate the architecture without initializing weights (meta device, then empty)."""
+    """Instantiate the architecture without initializing weights: built on the meta device,
+    then given uninitialized storage (torch.empty, not Module.to_empty: on meta tensors that
+    runs PyTorch's Python decompositions, whose first use imports ~1 s of sympy)."""
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
         model = cls(cfg, max_positions=max_positions)
-    model = model.to(dtype).to_empty(device=device)
     for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                t = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,
+                                device=device)
+                module._parameters[name] = nn.Parameter(t, requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
-    model.tie_weights()  # to_empty() gives each module its own tensor, untying shared ones
+    model.tie_weights()  # each module got its own tensor, untying shared ones
     return model.eval()
 
 

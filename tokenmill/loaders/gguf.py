@@ -14,12 +14,12 @@ from collections.abc import Iterator
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf.constants import GGMLQuantizationType
 from gguf.quants import dequantize
 from torch import nn
 
 from tokenmill.loaders import build_model, resolve_dtype
-from tokenmill.loaders.gguf_file import field_value, open_gguf
+from tokenmill.loaders.gguf_file import GGUFFile, field_value, open_gguf
 from tokenmill.loaders.permute import unpermute_rope_rows
 from tokenmill.models.config import ModelConfig
 
@@ -58,7 +58,7 @@ def hf_name(gguf_name: str) -> str:
     raise ValueError(f"GGUF tensor {gguf_name!r} is not supported by tokenmill")
 
 
-def gguf_config(reader: GGUFReader) -> ModelConfig:
+def gguf_config(reader: GGUFFile) -> ModelConfig:
     """ModelConfig from the `{arch}.*` metadata keys."""
     arch = field_value(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -111,7 +111,7 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
     )
 
 
-def _weights_dtype(reader: GGUFReader) -> str:
+def _weights_dtype(reader: GGUFFile) -> str:
     """'float32' for an all-F32 file; otherwise the weights had 16 bits or fewer to begin with,
     and 'auto' runs them in bfloat16."""
     matrices = [t for t in reader.tensors if len(t.shape) > 1]
@@ -119,7 +119,7 @@ def _weights_dtype(reader: GGUFReader) -> str:
     return "float32" if f32 else "bfloat16"
 
 
-def _rope_scaling(reader: GGUFReader, arch: str) -> dict | None:
+def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
     kind = field_value(reader, f"{arch}.rope.scaling.type", "none")
     if kind == "none":
         return None
@@ -144,7 +144,7 @@ def dequantize_tensor(data: np.ndarray, qtype: int, name: str) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-def gguf_weights(reader: GGUFReader, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(reader: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
     permute = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
         name = hf_name(t.name)

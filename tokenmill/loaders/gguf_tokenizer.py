@@ -6,9 +6,7 @@ merges (byte-level BPE), special token ids and flags under llama.cpp's key names
 
 from __future__ import annotations
 
-from gguf import GGUFReader
-
-from tokenmill.loaders.gguf_file import field_value, open_gguf
+from tokenmill.loaders.gguf_file import GGUFFile, field_value, open_gguf
 from tokenmill.loaders.vocab import Vocab, build_tokenizer
 from tokenmill.tokenizer import Tokenizer
 
@@ -16,7 +14,7 @@ from tokenmill.tokenizer import Tokenizer
 _EXTRA_EOS_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
-def read_gguf_vocab(reader: GGUFReader) -> Vocab | None:
+def read_gguf_vocab(reader: GGUFFile) -> Vocab | None:
     """The vocabulary described by the metadata; None when the file has no tokenizer."""
     tokens = field_value(reader, "tokenizer.ggml.tokens")
     if tokens is None:

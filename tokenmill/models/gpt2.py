@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.attention import AttentionContext, PagedAttention
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import Linear, embedding
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.loading import load_packed
 
@@ -67,8 +67,8 @@ class GPT2Block(nn.Module):
 class GPT2Model(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+        self.wte = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = embedding(cfg.max_position_embeddings, cfg.hidden_size)
         self.h = nn.ModuleList(GPT2Block(cfg, i) for i in range(cfg.num_hidden_layers))
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
 

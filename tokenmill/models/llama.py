@@ -16,7 +16,7 @@ from torch import nn
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PagedAttention
 from tokenmill.layers.fused_decode import DecoderLayerWeights, DecoderWeights
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import Linear, embedding
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.models.config import ModelConfig
@@ -98,7 +98,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers)
         )
