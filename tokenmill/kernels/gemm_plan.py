@@ -1,9 +1,12 @@
 """Which GEMM runs a linear layer: tokenmill's packed-weight kernel or PyTorch's matmul
-(oneDNN, on AMX where the CPU has it; MKL for float32). Decided by measuring both at first use,
-per (CPU, kernel build, threads, dtype, weight shape), over a ladder of row counts: a layer
-runs PyTorch's matmul from the smallest row count where that measured faster at every larger
-count too. Decisions are cached on disk next to the compiled kernels and logged;
-TOKENMILL_GEMM=packed or =torch forces one engine for every row count."""
+(oneDNN, on AMX where the CPU has it; MKL for float32), and up to which batch size the fused
+decode step (packed GEMMs only) beats running the layers op by op.
+
+Decided by measuring both GEMMs at first use per (CPU, kernel build, threads, dtype, weight
+shape) over a ladder of row counts; the times are cached on disk next to the compiled kernels
+and each decision is logged. TOKENMILL_GEMM=packed or =torch forces one GEMM for every row
+count (torch also turns the fused decode step off: it runs packed GEMMs only).
+"""
 
 from __future__ import annotations
 
@@ -25,12 +28,64 @@ logger = logging.getLogger("tokenmill")
 NEVER = 1 << 62
 ROWS = (1, 4, 16, 64, 256, 1024)  # the ladder measured
 MARGIN = 1.05  # PyTorch must be this much faster to take over (noise must not flip choices)
+MAX_CALL_S = 0.25  # ladder points whose GEMM would take longer are not measured
+# What running a decoder layer op by op costs over the fused decode step besides its GEMMs
+# (Python and per-call overhead of ~15 ops; ~0.13-0.24 ms measured, docs/performance.md).
+PER_OP_LAYER_S = 200e-6
+
+
+@dataclass
+class GemmTimes:
+    """Best seconds per call of each GEMM at each measured row count."""
+
+    rows: list[int]
+    packed: list[float]
+    torch: list[float]
+
+    def torch_from_rows(self) -> int:
+        """The smallest measured row count from which PyTorch's matmul won at every larger
+        measured count (NEVER when it did not win at the largest)."""
+        first = NEVER
+        for rows, ours, theirs in reversed(list(zip(self.rows, self.packed, self.torch))):
+            if theirs * MARGIN >= ours:
+                break
+            first = rows
+        return first
 
 
 @dataclass
 class PreparedLinear:
     packed: PackedLinear
     torch_from_rows: int  # rows from which F.linear runs instead of the packed kernel
+    times: GemmTimes | None  # None when TOKENMILL_GEMM forced the choice
+
+
+def forced() -> str | None:
+    mode = os.environ.get("TOKENMILL_GEMM", "auto")
+    if mode not in ("auto", "packed", "torch"):
+        raise ValueError(f"TOKENMILL_GEMM must be auto, packed or torch, got {mode!r}")
+    return None if mode == "auto" else mode
+
+
+def fused_max_rows(layers: list[list[PreparedLinear]]) -> int:
+    """The largest decode batch the fused step (all layers, packed GEMMs) should take: where its
+    GEMM time stays below the op-by-op path's (each GEMM on its faster engine, plus the per-op
+    cost of every layer), at that measured row count and every smaller one; between a winning
+    and a losing ladder point the geometric middle."""
+    mode = forced()
+    if mode:
+        return NEVER if mode == "packed" else 0
+    times = [p.times for layer in layers for p in layer]
+    best = 0
+    for i, rows in enumerate(times[0].rows):
+        if any(i >= len(t.rows) for t in times):
+            break
+        fused = sum(t.packed[i] for t in times)
+        op_by_op = sum(min(t.packed[i], t.torch[i]) for t in times) + PER_OP_LAYER_S * len(layers)
+        if fused > op_by_op * MARGIN:
+            return best * 2 if best else 0
+        best = rows
+    return NEVER  # it won wherever measured
 
 
 class GemmPlanner:
@@ -50,59 +105,54 @@ class GemmPlanner:
 
     def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PreparedLinear:
         packed = self.lib.pack(weight, bias)
-        return PreparedLinear(packed, self.torch_from_rows(weight, bias, packed))
+        mode = forced()
+        if mode:
+            return PreparedLinear(packed, NEVER if mode == "packed" else 1, None)
+        times = self.times(weight, bias, packed)
+        return PreparedLinear(packed, times.torch_from_rows(), times)
 
-    def torch_from_rows(self, weight, bias, packed: PackedLinear) -> int:
-        mode = os.environ.get("TOKENMILL_GEMM", "auto")
-        if mode not in ("auto", "packed", "torch"):
-            raise ValueError(f"TOKENMILL_GEMM must be auto, packed or torch, got {mode!r}")
-        if mode != "auto":
-            return NEVER if mode == "packed" else 1
+    def times(self, weight, bias, packed: PackedLinear) -> GemmTimes:
         key = (f"{self.machine}|{torch.get_num_threads()} threads|{weight.dtype}|"
                f"{weight.shape[0]}x{weight.shape[1]}")
         if key not in self.table:
             self.table[key] = measure(self.lib, weight, bias, packed)
             self._write()
-            rows = self.table[key]
+            rows = self.table[key].torch_from_rows()
             logger.info("GEMM %s %s: %s", tuple(weight.shape), str(weight.dtype)[6:],
                         "packed kernel at every row count" if rows >= NEVER else
                         f"PyTorch's matmul from {rows} rows, packed kernel below")
         return self.table[key]
 
-    def _read(self) -> dict:
+    def _read(self) -> dict[str, GemmTimes]:
         try:
-            return {k: int(v) for k, v in json.loads(self.path.read_text()).items()}
-        except (OSError, ValueError, AttributeError):
+            return {k: GemmTimes(**v) for k, v in json.loads(self.path.read_text()).items()}
+        except (OSError, ValueError, TypeError, AttributeError):
             return {}
 
     def _write(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            merged = {**self._read(), **self.table}
             tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({**self._read(), **self.table}, indent=1, sort_keys=True))
+            tmp.write_text(json.dumps({k: vars(v) for k, v in merged.items()}, indent=1))
             os.replace(tmp, self.path)
         except OSError as e:  # a read-only home: measure again next time
             logger.warning("cannot save the GEMM plan to %s (%s)", self.path, e)
 
 
-def measure(lib: KernelLib, weight, bias, packed: PackedLinear) -> int:
-    """The smallest ladder row count from which F.linear beat the packed kernel at every
-    larger measured count (NEVER when it never did). Stops climbing once PyTorch has won at
-    two counts in a row."""
-    wins = []
+def measure(lib: KernelLib, weight, bias, packed: PackedLinear) -> GemmTimes:
+    """Both GEMMs at each ladder row count, up to the count where one call would take more
+    than MAX_CALL_S."""
+    times = GemmTimes([], [], [])
     for rows in ROWS:
+        if times.rows and max(times.packed[-1], times.torch[-1]) * rows / times.rows[-1] \
+                > MAX_CALL_S:
+            break
         x = torch.randn(rows, weight.shape[1], device=weight.device).to(weight.dtype)
-        ours = _best(lambda x=x: lib.linear(x, packed))
-        theirs = _best(lambda x=x: F.linear(x, weight, bias))
-        wins.append((rows, theirs * MARGIN < ours))
-        if len(wins) >= 2 and wins[-1][1] and wins[-2][1]:
-            break
-    first = NEVER
-    for rows, torch_won in reversed(wins):
-        if not torch_won:
-            break
-        first = rows
-    return first
+        times.rows.append(rows)
+        times.packed.append(_best(lambda x=x: lib.linear(x, packed)))
+        times.torch.append(_best(lambda x=x: F.linear(x, weight, bias)))
+    return times
 
 
 def _best(fn, budget: float = 0.02) -> float:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.kernels import lib as klib
+from tokenmill.kernels.gemm_plan import fused_max_rows
 from tokenmill.layers.linear import Linear
 
 
@@ -56,8 +57,8 @@ class FusedDecoder:
         linears = [lin for layer in w.layers for lin in (layer.qkv, layer.o, layer.gate_up,
                                                          layer.down)]
         prepared = [lin.prepared() for lin in linears]
-        # below the row count where any of its GEMMs hands over to PyTorch's matmul
-        self.max_rows = min(p.torch_from_rows for p in prepared) - 1
+        # the batch sizes where the fused step beats running the layers op by op
+        self.max_rows = fused_max_rows([prepared[i:i + 4] for i in range(0, len(prepared), 4)])
         self._keep = [w, prepared]  # everything the struct points to stays alive
         layers = (klib.Layer * len(w.layers))()
         for i, layer in enumerate(w.layers):

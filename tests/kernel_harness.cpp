@@ -1,0 +1,84 @@
+// A command-line front for the kernel library's C interface (tokenmill/kernels/csrc/tm.h), so
+// that builds this machine cannot load (NEON, cross-compiled and run under qemu) are checked
+// against the PyTorch references: tests/test_kernels_arm.py writes each call's inputs as raw
+// files, runs `harness KERNEL DIR`, and compares DIR/out.bin with the reference.
+//
+// DIR/params.txt holds the call's sizes; inputs are DIR/in0.bin, in1.bin, ... in the order
+// below. Element sizes follow the dtype codes (0 = float32, 1 = bfloat16).
+#include <cstdint>
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "../tokenmill/kernels/csrc/tm.h"
+
+using Bytes = std::vector<char>;
+
+static Bytes load(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return Bytes(std::istreambuf_iterator<char>(f), {});
+}
+
+static void save(const std::string& path, const void* data, size_t n) {
+  std::ofstream(path, std::ios::binary).write(static_cast<const char*>(data), n);
+}
+
+static size_t elem(int dtype) { return dtype == TM_F32 ? 4 : 2; }
+
+int main(int argc, char** argv) {
+  if (argc != 3) return 2;
+  std::string kernel = argv[1], dir = std::string(argv[2]) + "/";
+  std::ifstream pf(dir + "params.txt");
+  std::vector<double> p{std::istream_iterator<double>(pf), {}};
+  auto in = [&](int i) { return load(dir + "in" + std::to_string(i) + ".bin"); };
+  auto I = [&](int i) { return static_cast<int64_t>(p[i]); };
+  if (kernel == "linear") {  // dtype m n k has_bias out_dtype: x, w, bias(f32)
+    int dt = I(0), odt = I(5);
+    int64_t m = I(1), n = I(2), k = I(3);
+    Bytes x = in(0), w = in(1), b = I(4) ? in(2) : Bytes();
+    Bytes packed(tm_packed_numel(dt, n, k) * elem(dt)), out(m * n * elem(odt));
+    tm_pack_weight(dt, w.data(), n, k, packed.data());
+    tm_linear lin{packed.data(), I(4) ? reinterpret_cast<const float*>(b.data()) : nullptr, n, k};
+    tm_linear_fwd(dt, x.data(), m, &lin, odt, out.data());
+    save(dir + "out.bin", out.data(), out.size());
+  } else if (kernel == "rms_norm") {  // dtype rows hidden eps has_add: x, w, add
+    int dt = I(0);
+    Bytes x = in(0), w = in(1), add = I(4) ? in(2) : Bytes(), out(x.size());
+    tm_rms_norm(dt, x.data(), w.data(), I(4) ? add.data() : nullptr, out.data(), I(1), I(2),
+                static_cast<float>(p[3]));
+    save(dir + "out.bin", out.data(), out.size());
+    save(dir + "residual.bin", x.data(), x.size());
+  } else if (kernel == "rope") {  // dtype tokens heads head_dim max_positions: x, cos_sin, pos
+    Bytes x = in(0), cs = in(1), pos = in(2);
+    tm_rope(I(0), x.data(), I(1), I(2), I(3), reinterpret_cast<const float*>(cs.data()), I(4),
+            reinterpret_cast<const int64_t*>(pos.data()));
+    save(dir + "out.bin", x.data(), x.size());
+  } else if (kernel == "silu_mul") {  // dtype rows inter: x
+    Bytes x = in(0), out(x.size() / 2);
+    tm_silu_mul(I(0), x.data(), out.data(), I(1), I(2));
+    save(dir + "out.bin", out.data(), out.size());
+  } else if (kernel == "argmax") {  // rows n: x(f32)
+    Bytes x = in(0);
+    std::vector<int64_t> out(I(0));
+    tm_argmax_rows(reinterpret_cast<const float*>(x.data()), I(0), I(1), out.data());
+    save(dir + "out.bin", out.data(), out.size() * 8);
+  } else if (kernel == "attention") {
+    // dtype batch heads kv_heads head_dim block_size max_blocks window scale:
+    // q, k_cache, v_cache, tables(i64), lens(i64)
+    int dt = I(0);
+    Bytes q = in(0), kc = in(1), vc = in(2), tables = in(3), lens = in(4), out(q.size());
+    tm_decode_attention(dt, q.data(), kc.data(), vc.data(), I(5), I(3),
+                        reinterpret_cast<const int64_t*>(tables.data()), I(6),
+                        reinterpret_cast<const int64_t*>(lens.data()), I(1), I(2), I(4), I(7),
+                        static_cast<float>(p[8]), out.data());
+    save(dir + "out.bin", out.data(), out.size());
+  } else {
+    std::fprintf(stderr, "unknown kernel %s\n", kernel.c_str());
+    return 2;
+  }
+  std::printf("%s %s\n", tm_isa(), kernel.c_str());
+  return 0;
+}

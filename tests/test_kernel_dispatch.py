@@ -1,0 +1,153 @@
+"""Choosing kernels: the instruction set from the CPU's features (and TOKENMILL_ISA), the
+portable build, libraries built from other sources never loaded, build errors in one line,
+and the GEMM plan (packed kernel vs PyTorch's matmul, fused decode batch sizes)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from tokenmill import kernels
+from tokenmill.kernels import build, gemm_plan, isa
+from tokenmill.kernels.gemm_plan import NEVER, GemmTimes, PreparedLinear, fused_max_rows
+from tokenmill.layers import ops
+
+needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler here")
+
+
+def test_isa_choice_follows_features_and_override(monkeypatch):
+    monkeypatch.setattr(isa, "cpu_features", lambda: {"avx2": True, "fma3": True, "f16c": True})
+    monkeypatch.setattr(isa, "isas_for", lambda arch=None: build.ARCH_ISAS["x86_64"])
+    assert isa.supported_isas() == ["avx2", "scalar"]
+    monkeypatch.setattr(kernels, "supported_isas", isa.supported_isas)
+    assert kernels.chosen_isa() == "avx2"
+    monkeypatch.setenv("TOKENMILL_ISA", "scalar")
+    assert kernels.chosen_isa() == "scalar"
+    monkeypatch.setenv("TOKENMILL_ISA", "avx512_bf16")
+    with pytest.raises(ValueError, match="this CPU runs avx2, scalar"):
+        kernels.chosen_isa()
+    monkeypatch.setattr(isa, "cpu_features", lambda: {})  # no AVX2: the portable build only
+    assert isa.supported_isas() == ["scalar"]
+
+
+def test_arm_runs_neon_then_scalar(monkeypatch):
+    monkeypatch.setattr(isa, "isas_for", lambda arch=None: build.isas_for("arm64"))
+    assert isa.supported_isas() == ["neon", "scalar"]
+
+
+def test_kernels_off(monkeypatch):
+    monkeypatch.setenv("TOKENMILL_KERNELS", "0")
+    assert kernels.load_cpu_kernels() is None
+    assert isinstance(ops.select(True, torch.device("cpu")), ops.TorchOps)
+    assert not isinstance(ops.select(True, torch.device("cpu")), ops.KernelOps)
+
+
+@needs_compiler
+@pytest.mark.skipif(shutil.which("objdump") is None or build.machine_arch() != "x86_64",
+                    reason="needs objdump on x86-64")
+def test_portable_build_has_no_vector_extensions():
+    """The scalar library: no AVX/AVX2/AVX-512 instruction (no ymm/zmm register anywhere in its
+    code) and no intrinsics header in its vector layer."""
+    lib = kernels.load_cpu_kernels("scalar")
+    asm = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(lib.path)],
+                         capture_output=True, text=True, check=True).stdout
+    assert "%ymm" not in asm and "%zmm" not in asm
+    assert "tm_linear_fwd" in asm  # the disassembly is real
+    avx2 = subprocess.run(["objdump", "-d", str(kernels.load_cpu_kernels("avx2").path)],
+                          capture_output=True, text=True, check=True).stdout
+    assert "%ymm" in avx2  # and the check can fail
+    assert "intrin.h" not in (build.CSRC / "vec_scalar.h").read_text()
+
+
+@needs_compiler
+def test_library_from_other_sources_is_rebuilt(monkeypatch, tmp_path):
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path))
+    current = build.source_hash()
+    path = kernels.library_path("scalar")
+    assert kernels.KernelLib(path).source_hash == current
+    monkeypatch.setattr(build, "source_hash", lambda: "0123456789abcdef")
+    monkeypatch.setattr(kernels, "source_hash", build.source_hash)
+    rebuilt = kernels.library_path("scalar")  # neither the packaged nor the cached one fits
+    assert rebuilt != path and kernels.KernelLib(rebuilt).source_hash == "0123456789abcdef"
+
+
+def test_build_error_is_one_line(tmp_path):
+    with pytest.raises(build.BuildError) as e:
+        build.compile_library("scalar", tmp_path / "lib.so", cxx="false")
+    assert "\n" not in str(e.value) and "scalar" in str(e.value)
+
+
+def times(packed, torch_):
+    return GemmTimes([1, 4, 16, 64], packed, torch_)
+
+
+def test_torch_from_rows():
+    assert times([1, 2, 3, 4], [9, 9, 9, 9]).torch_from_rows() == NEVER
+    assert times([1, 2, 3, 4], [9, 9, 1, 1]).torch_from_rows() == 16
+    assert times([1, 2, 3, 4], [0.5, 9, 1, 1]).torch_from_rows() == 16  # only from 16 on
+    assert times([1, 2, 3, 4], [0.5, 1, 1, 1]).torch_from_rows() == 1
+    assert times([1, 2, 3, 4], [1, 2, 3, 3.9]).torch_from_rows() == NEVER  # within the margin
+
+
+def test_fused_max_rows(monkeypatch):
+    monkeypatch.delenv("TOKENMILL_GEMM", raising=False)
+    ms = 1e-3
+
+    def layer(packed, torch_):
+        return [PreparedLinear(None, 0, times(packed, torch_))] * 4
+
+    # PyTorch's matmul a little faster at 16 rows: not enough to pay for leaving the fused step
+    slightly = layer([ms, 2 * ms, 4 * ms, 8 * ms], [9, 9, 3.9 * ms, 4 * ms])
+    assert fused_max_rows([slightly] * 30) == 32  # wins at 16, loses at 64: the middle
+    much = layer([ms, 2 * ms, 4 * ms, 8 * ms], [9, ms, ms, ms])
+    assert fused_max_rows([much] * 30) == 2
+    never = layer([ms] * 4, [9] * 4)
+    assert fused_max_rows([never] * 30) == NEVER
+    monkeypatch.setenv("TOKENMILL_GEMM", "torch")
+    assert fused_max_rows([never] * 30) == 0
+    monkeypatch.setenv("TOKENMILL_GEMM", "packed")
+    assert fused_max_rows([much] * 30) == NEVER
+    monkeypatch.setenv("TOKENMILL_GEMM", "fastest")
+    with pytest.raises(ValueError, match="TOKENMILL_GEMM"):
+        fused_max_rows([much])
+
+
+@needs_compiler
+def test_plan_is_measured_once_and_cached(monkeypatch, tmp_path):
+    monkeypatch.delenv("TOKENMILL_GEMM", raising=False)
+    lib = kernels.load_cpu_kernels()
+    calls = []
+    fake = times([1, 2, 3, 4], [9, 9, 1, 1])
+    monkeypatch.setattr(gemm_plan, "measure", lambda *a: calls.append(1) or fake)
+    w = torch.randn(40, 24)
+    planner = gemm_plan.GemmPlanner(lib, tmp_path / "plan.json")
+    assert planner.prepare(w, None).torch_from_rows == 16
+    assert planner.prepare(w, None).torch_from_rows == 16 and len(calls) == 1
+    again = gemm_plan.GemmPlanner(lib, tmp_path / "plan.json")  # a later process
+    assert again.prepare(w, None).torch_from_rows == 16 and len(calls) == 1
+
+
+@needs_compiler
+def test_linear_dispatch_follows_the_plan(monkeypatch):
+    """Below the plan's row count the packed kernel runs, from it PyTorch's matmul; logits
+    (out_fp32) always come from the packed kernel."""
+    from tokenmill.layers.linear import Linear
+
+    lib = kernels.load_cpu_kernels()
+    backend = ops.KernelOps(lib)
+    monkeypatch.setattr(backend.planner, "prepare",
+                        lambda w, b: PreparedLinear(lib.pack(w, b), 8, None))
+    with ops.building(backend):
+        layer = Linear(24, [40])
+    layer.weight.data = torch.randn(40, 24)
+    ran = []
+    real = lib.linear
+    monkeypatch.setattr(lib, "linear", lambda *a, **k: ran.append(a[0].shape[0]) or real(*a, **k))
+    for rows in (1, 7, 8, 30):
+        x = torch.randn(rows, 24)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight))
+    layer(torch.randn(30, 24), out_fp32=True)
+    assert ran == [1, 7, 30]
