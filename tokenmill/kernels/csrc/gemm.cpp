@@ -134,9 +134,11 @@ template <int MR, template <int, typename, typename> class M, typename X, typena
 void gemm_packed(const X* x, const W* w, int64_t panel_elems, const float* bias, O* out,
                  int64_t Mrows, int64_t N, int64_t K) {
   int64_t panels = (N + kPanel - 1) / kPanel, bytes = panel_elems * sizeof(W);
-  int64_t block = std::max<int64_t>(MR, (256 * 1024 / (int64_t(sizeof(X)) * K)) / MR * MR);
-  block = std::min(block, Mrows);
-  int64_t blocks = (Mrows + block - 1) / block;
+  // as few blocks as fit L2, of equal size (threads take equal runs of work items)
+  int64_t most = std::max<int64_t>(MR, 256 * 1024 / (int64_t(sizeof(X)) * K));
+  int64_t blocks = (Mrows + most - 1) / most;
+  int64_t block = ((Mrows + blocks - 1) / blocks + MR - 1) / MR * MR;
+  blocks = (Mrows + block - 1) / block;
   parallel_for(0, blocks * panels, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       int64_t m0 = t / panels * block, m1 = std::min(Mrows, m0 + block), p = t % panels;
