@@ -28,6 +28,22 @@ def load_hf(path: str, dtype: torch.dtype):
     return model.eval()
 
 
+def best_matmul_dtype(rows: int = 256, n: int = 3072, k: int = 576) -> torch.dtype:
+    """float32 or bfloat16, whichever PyTorch's matmul runs faster on this machine (a peer's
+    best setting: bf16 wins with AVX512-BF16 or AMX, float32 without them)."""
+    import time
+
+    def seconds(dtype):
+        x, w = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype)
+        torch.nn.functional.linear(x, w)
+        start = time.perf_counter()
+        for _ in range(3):
+            torch.nn.functional.linear(x, w)
+        return time.perf_counter() - start
+
+    return torch.bfloat16 if seconds(torch.bfloat16) < seconds(torch.float32) else torch.float32
+
+
 def random_workload(n: int, vocab: int, prompt_range, output_range, seed: int = 0):
     """n (prompt token ids, output length) pairs with uniform random lengths."""
     rng = random.Random(seed)

@@ -5,9 +5,10 @@ JSON line.
 
 transformers cannot stop each sequence at its own length inside a batch, so it runs batches of
 --hf-batch requests, left-padded, generating the batch's longest output; only the requested
-tokens count as output (the same useful work tokenmill does). transformers runs in float32 by
-default: its bf16 CPU matmuls run at ~1 GFLOP/s on this AVX2 machine (hw_limits.py), which
-would make the comparison meaningless; tokenmill runs bf16 (and float32 with --tokenmill-fp32).
+tokens count as output (the same useful work tokenmill does). transformers runs at its best
+setting for the machine: bfloat16 or float32, whichever PyTorch multiplies faster here (bf16
+is ~100x slower than float32 without AVX512-BF16 or AMX, faster with them); tokenmill runs bf16
+(and float32 with --tokenmill-fp32).
 
 The default workload is nano-vllm's (256 requests, 100-1024 tokens in and out) scaled to a
 2-core CPU: 64 requests, prompts 100-512, outputs 100-256.
@@ -26,7 +27,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bf16_model import bf16_gguf  # noqa: E402
-from benchmarks.common import emit_json, load_hf, machine, print_table, random_workload  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    best_matmul_dtype,
+    emit_json,
+    load_hf,
+    machine,
+    print_table,
+    random_workload,
+)
 
 
 def run_tokenmill(path: str, dtype: str, work, args) -> dict:
@@ -48,7 +56,9 @@ def run_tokenmill(path: str, dtype: str, work, args) -> dict:
 
 @torch.inference_mode()
 def run_hf(path: str, work, args) -> dict:
-    model = load_hf(path, getattr(torch, args.hf_dtype))
+    dtype = best_matmul_dtype() if args.hf_dtype == "auto" else getattr(torch, args.hf_dtype)
+    args.hf_dtype = str(dtype).replace("torch.", "")
+    model = load_hf(path, dtype)
     pad = 0
     model.generate(torch.tensor([work[0][0][:8]]), max_new_tokens=4, do_sample=False)
     start = time.perf_counter()
@@ -79,7 +89,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, nargs=2, default=[100, 256])
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--hf-batch", type=int, default=16)
-    ap.add_argument("--hf-dtype", default="float32")
+    ap.add_argument("--hf-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--tokenmill-fp32", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-hf", action="store_true")

@@ -204,7 +204,7 @@ void linear_typed(int dtype, const void* x, int64_t m, const tm_linear* w, O* ou
   const bf16* xb = static_cast<const bf16*>(x);
   const bf16* wb = static_cast<const bf16*>(w->packed);
 #ifdef TM_ISA_AVX512_BF16
-  return gemm_packed<kDotTileRows, Dot>(xb, wb, panel_elems, w->bias, out, m, N, K);
+  return gemm_dot(xb, wb, panel_elems, w->bias, out, m, N, K);
 #else
   thread_local std::vector<float> xf;  // the FMA tiles broadcast float32 inputs
   xf.resize(m * K);

@@ -1,58 +1,104 @@
-// AVX512-BF16 only: the GEMM micro-kernel on pair-packed bf16 panels (included by gemm.cpp).
+// AVX512-BF16 only: GEMM on pair-packed bf16 panels (included by gemm.cpp).
 // VDPBF16PS adds (x[k] * w[k] + x[k + 1] * w[k + 1]) to each float32 lane: a panel holds, per
 // pair of k, the NR = 32 rows' two weights side by side (two zmm vectors), and each input row
 // broadcasts its (x[k], x[k + 1]) pair. Products of two bf16 values are exact in float32, so
 // this sums the same terms as the FMA kernel, in another order, with half the instructions.
+//
+// The k loop runs in chunks of a panel that stay in L1 while every row tile of the block uses
+// them; the first tile of a chunk prefetches the next chunk into L2 as it goes, so the memory
+// stream of a decode batch overlaps the arithmetic of its other tiles.
 #pragma once
 
 namespace tm {
 
-#ifndef TM_DOT_ROWS
-#define TM_DOT_ROWS 8
-#endif
-constexpr int kDotTileRows = TM_DOT_ROWS;
+constexpr int kDotTileRows = 8;  // 16 of the 32 zmm registers accumulate
+constexpr int64_t kDotChunk = 128;  // k pairs: 128 x 128 bytes = 16 KiB of panel
 
-template <int MR, typename O>
-void micro_dot(const bf16* x, int64_t ldx, const bf16* panel, int64_t K, const float* bias,
-               O* out, int64_t ldo, int64_t cols, Prefetch pre) {
-  constexpr bool kTwoSets = MR <= 3;
+// acc[i] (+)= x[i] . panel over k pairs [kp0, kp1) for MR input rows (stride ldx); the pair at
+// `pairs` (when kp1 passes it) is an odd K's last k, paired with a zero.
+template <int MR>
+void micro_dot(const bf16* x, int64_t ldx, const bf16* panel, int64_t kp0, int64_t kp1,
+               int64_t pairs, bool first, float (*acc)[kPanel], const char* pf) {
+  constexpr bool kTwoSets = MR <= 3;  // few rows: enough independent chains in flight
   __m512 c[MR][2], d[MR][2];
 #pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i) c[i][0] = c[i][1] = d[i][0] = d[i][1] = _mm512_setzero_ps();
-  auto step = [&](__m512 (&acc)[MR][2], int64_t kp, bool tail) __attribute__((always_inline)) {
+  for (int i = 0; i < MR; ++i) {
+    c[i][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc[i]);
+    c[i][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc[i] + kLanes);
+    d[i][0] = d[i][1] = _mm512_setzero_ps();
+  }
+  auto step = [&](__m512 (&a)[MR][2], int64_t kp, bool tail) __attribute__((always_inline)) {
     const bf16* p = panel + kp * 2 * kPanel;
     __m512bh w0 = (__m512bh)_mm512_loadu_si512(p), w1 = (__m512bh)_mm512_loadu_si512(p + kPanel);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
-      int32_t pair = 0;  // (x[2kp], x[2kp + 1]); an odd K's last pair is (x[K - 1], 0)
+      int32_t pair = 0;
       std::memcpy(&pair, x + i * ldx + 2 * kp, tail ? 2 : 4);
       __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], b, w0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], b, w1);
+      a[i][0] = _mm512_dpbf16_ps(a[i][0], b, w0);
+      a[i][1] = _mm512_dpbf16_ps(a[i][1], b, w1);
     }
   };
-  int64_t pairs = K / 2, kp = 0;
-  for (; kp + 2 <= pairs; kp += 2) {
-    pre.ahead(4 * kPanel * sizeof(bf16));
+  int64_t end = std::min(kp1, pairs), kp = kp0;
+  for (; kp + 2 <= end; kp += 2) {
+    if (pf) {  // two k pairs = 256 bytes of panel, prefetched a chunk ahead into L2
+      for (int b = 0; b < 256; b += 64) prefetch_l2(pf + (kp - kp0) * 128 + b);
+    }
     step(c, kp, false);
     step(kTwoSets ? d : c, kp + 1, false);
   }
-  if (kp < pairs) step(c, kp++, false);
-  if (K % 2) step(c, kp, true);
-  alignas(64) float tile[MR][kPanel];
+  if (kp < end) step(c, kp++, false);
+  if (kp1 > pairs) step(c, pairs, true);
 #pragma GCC unroll 16
   for (int i = 0; i < MR; ++i) {
-    _mm512_store_ps(tile[i], kTwoSets ? _mm512_add_ps(c[i][0], d[i][0]) : c[i][0]);
-    _mm512_store_ps(tile[i] + kLanes, kTwoSets ? _mm512_add_ps(c[i][1], d[i][1]) : c[i][1]);
+    _mm512_storeu_ps(acc[i], kTwoSets ? _mm512_add_ps(c[i][0], d[i][0]) : c[i][0]);
+    _mm512_storeu_ps(acc[i] + kLanes, kTwoSets ? _mm512_add_ps(c[i][1], d[i][1]) : c[i][1]);
   }
-  store_tile<MR>(tile, bias, out, ldo, cols);
 }
 
-template <int MR, typename W, typename O> struct Dot {
-  static void run(const bf16* x, int64_t ldx, const W* panel, int64_t K, const float* bias,
-                  O* out, int64_t ldo, int64_t cols, Prefetch pre) {
-    micro_dot<MR, O>(x, ldx, panel, K, bias, out, ldo, cols, pre);
-  }
-};
+template <int R>
+void micro_dot_rows(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel, int64_t kp0,
+                    int64_t kp1, int64_t pairs, bool first, float (*acc)[kPanel],
+                    const char* pf) {
+  if (rows >= R) return micro_dot<R>(x, ldx, panel, kp0, kp1, pairs, first, acc, pf);
+  if constexpr (R > 1) micro_dot_rows<R - 1>(rows, x, ldx, panel, kp0, kp1, pairs, first, acc, pf);
+}
+
+// Work items are (row block, panel) pairs as in gemm_packed; within one, chunk by chunk of k,
+// every row tile accumulates into a float32 scratch, stored to out after the last chunk.
+template <typename O>
+void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bias, O* out,
+              int64_t M, int64_t N, int64_t K) {
+  constexpr int MR = kDotTileRows;
+  const int64_t panels = (N + kPanel - 1) / kPanel, pairs = K / 2, total = (K + 1) / 2;
+  int64_t most = std::max<int64_t>(MR, 256 * 1024 / (2 * K));
+  int64_t blocks = (M + most - 1) / most;
+  int64_t block = ((M + blocks - 1) / blocks + MR - 1) / MR * MR;
+  blocks = (M + block - 1) / block;
+  parallel_for(0, blocks * panels, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<float> scratch;
+    scratch.resize(block * kPanel);
+    auto* acc = reinterpret_cast<float(*)[kPanel]>(scratch.data());
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t m0 = t / panels * block, rows = std::min(M, m0 + block) - m0, p = t % panels;
+      const bf16* panel = w + p * panel_elems;
+      // the next chunk (of this panel, or the next one when this thread reads it next)
+      const char* stop = reinterpret_cast<const char*>(panel + panel_elems) +
+                         (t + 1 < t1 && p + 1 < panels ? panel_elems * 2 : 0);
+      for (int64_t kp = 0; kp < total; kp += kDotChunk) {
+        const char* pf = reinterpret_cast<const char*>(panel + (kp + kDotChunk) * 2 * kPanel);
+        for (int64_t i = 0; i < rows; i += MR)
+          micro_dot_rows<MR>(std::min<int64_t>(MR, rows - i), x + (m0 + i) * K, K, panel, kp,
+                             std::min(total, kp + kDotChunk), pairs, kp == 0, acc + i,
+                             i == 0 && pf < stop ? pf : nullptr);
+      }
+      int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      for (int64_t i = 0; i < rows; ++i) {
+        const float (&row)[1][kPanel] = *reinterpret_cast<const float(*)[1][kPanel]>(acc + i);
+        store_tile<1>(row, bias ? bias + n0 : nullptr, out + (m0 + i) * N + n0, N, cols);
+      }
+    }
+  });
+}
 
 }  // namespace tm
