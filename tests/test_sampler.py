@@ -108,3 +108,21 @@ def test_seed_reproducible_whatever_the_batch(llm):
     other_seed = llm.generate(prompt, SamplingParams(temperature=1.0, seed=8, max_tokens=24),
                               use_tqdm=False)[0].outputs[0].token_ids
     assert other_seed != alone
+
+
+def test_min_tokens_bans_eos_unless_ignored():
+    """Before min_tokens, eos and stop_token_ids are masked (vLLM); with ignore_eos an eos does
+    not stop the sequence, so only stop_token_ids are; afterwards nothing is."""
+    cpu = torch.device("cpu")
+    seq = Sequence([1, 2], SamplingParams(min_tokens=2, stop_token_ids=[7]))
+    assert sampling_metadata([seq], [0], cpu).banned == [[0, 7]]
+    ignoring = Sequence([1, 2], SamplingParams(min_tokens=2, stop_token_ids=[7], ignore_eos=True))
+    assert sampling_metadata([ignoring], [0], cpu).banned == [[7]]
+    seq.append_token(5)
+    seq.append_token(6)
+    assert sampling_metadata([seq], [0], cpu).banned == [[]]
+    logits = torch.zeros(2, 10)
+    from tokenmill.layers.sampler import apply_banned
+
+    apply_banned(logits, [[0, 7], [3, 99]])  # ids past the vocabulary are ignored
+    assert torch.isinf(logits).nonzero().tolist() == [[0, 0], [0, 7], [1, 3]]

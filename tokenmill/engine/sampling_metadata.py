@@ -18,11 +18,19 @@ def sampling_metadata(seqs: list[Sequence], eos_ids: list[int],
         top_p=[p.top_p for p in params],
         min_p=[p.min_p for p in params],
         generators=[_generator(s, device) for s in seqs],
-        banned=[[*eos_ids, *s.params.stop_token_ids]
-                if s.num_output_tokens < s.params.min_tokens else [] for s in seqs],
+        banned=[_banned(s, eos_ids) for s in seqs],
         penalties=[_penalties(s) for s in seqs],
         logprobs=[p.logprobs for p in params],
     )
+
+
+def _banned(seq: Sequence, eos_ids: list[int]) -> list[int]:
+    """Tokens that would stop the sequence before min_tokens (vLLM: eos, unless ignore_eos,
+    and stop_token_ids)."""
+    p = seq.params
+    if seq.num_output_tokens >= p.min_tokens:
+        return []
+    return [*(() if p.ignore_eos else eos_ids), *p.stop_token_ids]
 
 
 def _generator(seq: Sequence, device: torch.device) -> torch.Generator | None:

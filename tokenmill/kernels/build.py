@@ -28,7 +28,7 @@ ISA_FLAGS = {
 }
 ARCH_ISAS = {"x86_64": ("avx512_bf16", "avx512", "avx2", "scalar"),
              "aarch64": ("neon", "scalar")}
-BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno",
+BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno",
               "-ffp-contract=off"]  # no silent FMA contraction: roundings match the references
 
 

@@ -54,10 +54,12 @@ class SamplerOutput:
 
 
 def apply_banned(logits: torch.Tensor, banned: list[list[int]]) -> None:
-    for i, tokens in enumerate(banned):
-        tokens = [t for t in tokens if t < logits.shape[1]]
-        if tokens:
-            logits[i, tokens] = -float("inf")
+    """logits[i, t] = -inf for every token t banned in row i (one indexing op for all rows)."""
+    rows = [i for i, tokens in enumerate(banned) for t in tokens if t < logits.shape[1]]
+    cols = [t for tokens in banned for t in tokens if t < logits.shape[1]]
+    if rows:
+        logits[torch.tensor(rows, device=logits.device),
+               torch.tensor(cols, device=logits.device)] = -float("inf")
 
 
 def apply_penalties(logits: torch.Tensor, penalties: list[Penalties | None]) -> None:

@@ -71,27 +71,41 @@ void widen_block(const T* src, int64_t rows, int64_t row, int64_t W, float* dst)
 }
 
 // sc[j] = qf . k[j] for `rows` key rows (stride `stride`): eight rows at a time, eight
-// independent FMA chains reduced together. qf is zero-padded to whole vectors.
-template <typename R>
+// independent FMA chains reduced together. qf is zero-padded to whole vectors. DV > 0: head_dim
+// is DV whole vectors (the common sizes), so the loops unroll and the sums stay in registers.
+template <int DV, typename R>
 void score_rows(const float* qf, const R* k, int64_t stride, int64_t rows, int64_t D, float* sc) {
-  const int64_t full = D / kLanes * kLanes, tail = D - full;
+  const int64_t full = DV ? DV * kLanes : D / kLanes * kLanes, tail = DV ? 0 : D - full;
   int64_t j = 0;
   for (; j + 8 <= rows; j += 8, k += 8 * stride) {
     vec a[8];
     for (int r = 0; r < 8; ++r) a[r] = vzero();
+#pragma GCC unroll 16
     for (int64_t i = 0; i < full; i += kLanes) {
       vec qv = vload(qf + i);
       for (int r = 0; r < 8; ++r) a[r] = vfma(qv, vload(k + r * stride + i), a[r]);
     }
-    if (tail)
+    if (!DV && tail)
       for (int r = 0; r < 8; ++r) a[r] = vfma(vload(qf + full), vload_part(k + r * stride + full, tail), a[r]);
     vsum8(a, sc + j);
   }
   for (; j < rows; ++j, k += stride) {
     vec a = vzero();
+#pragma GCC unroll 16
     for (int64_t i = 0; i < full; i += kLanes) a = vfma(vload(qf + i), vload(k + i), a);
-    if (tail) a = vfma(vload(qf + full), vload_part(k + full, tail), a);
+    if (!DV && tail) a = vfma(vload(qf + full), vload_part(k + full, tail), a);
     sc[j] = vsum(a);
+  }
+}
+
+template <typename R>
+void score(const float* qf, const R* k, int64_t stride, int64_t rows, int64_t D, float* sc) {
+  switch (D == kLanes * (D / kLanes) ? D / kLanes : 0) {
+    case 2: return score_rows<2>(qf, k, stride, rows, D, sc);
+    case 4: return score_rows<4>(qf, k, stride, rows, D, sc);
+    case 8: return score_rows<8>(qf, k, stride, rows, D, sc);
+    case 16: return score_rows<16>(qf, k, stride, rows, D, sc);
+    default: return score_rows<0>(qf, k, stride, rows, D, sc);
   }
 }
 
@@ -140,10 +154,10 @@ void attend_group(const T* q, const T* kc, const T* vc, const int64_t* table, in
     for (int64_t i = 0; i < D; ++i) qf[g * Dp + i] = to_f(q[g * D + i]) * scale;
   }
   walk(keys, start, [&](int64_t at, int64_t rows, const T* k) {
-    if (nq == 1) return score_rows(qf, k, row, rows, D, scores + at);
+    if (nq == 1) return score(qf, k, row, rows, D, scores + at);
     widen_block(k, rows, row, W, buf);
     for (int64_t g = 0; g < nq; ++g)  // query head g reads KV head g / heads
-      score_rows(qf + g * Dp, buf + g / heads * D, W, rows, D, scores + g * n + at);
+      score(qf + g * Dp, buf + g / heads * D, W, rows, D, scores + g * n + at);
   });
   for (int64_t g = 0; g < nq; ++g) softmax(scores + g * n, n);
   std::fill(acc, acc + nq * Dp, 0.f);

@@ -11,6 +11,10 @@
 extern "C" {
 #endif
 
+/* The library exports these functions only (it is built with -fvisibility=hidden, so the
+ * kernels' internal calls are direct and can be inlined). */
+#define TM_API __attribute__((visibility("default")))
+
 enum { TM_F32 = 0, TM_BF16 = 1 };
 #define TM_ABI_VERSION 1
 
@@ -43,41 +47,42 @@ typedef struct {
   int64_t max_positions;
 } tm_decoder;
 
-int tm_abi_version(void);
-const char* tm_isa(void);
-const char* tm_source_hash(void);
-void tm_set_num_threads(int threads);
+TM_API int tm_abi_version(void);
+TM_API const char* tm_isa(void);
+TM_API const char* tm_source_hash(void);
+TM_API void tm_set_num_threads(int threads);
 
-int64_t tm_panel_rows(void);
-int64_t tm_packed_numel(int dtype, int64_t n, int64_t k);
-void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out);
+TM_API int64_t tm_panel_rows(void);
+TM_API int64_t tm_packed_numel(int dtype, int64_t n, int64_t k);
+TM_API void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out);
 /* out (m, n) in out_dtype = x (m, k) @ w.T + bias; x in the weight's dtype */
-void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
-                   void* out);
+TM_API void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w,
+                          int out_dtype, void* out);
 
 /* out = w * normalize(x); with add: x = x + add first (x is the residual stream) */
-void tm_rms_norm(int dtype, void* x, const void* w, const void* add, void* out, int64_t rows,
-                 int64_t hidden, float eps);
+TM_API void tm_rms_norm(int dtype, void* x, const void* w, const void* add, void* out,
+                        int64_t rows, int64_t hidden, float eps);
 /* in place on x (tokens, heads, head_dim), rotate-half layout */
-void tm_rope(int dtype, void* x, int64_t tokens, int64_t heads, int64_t head_dim,
-             const float* cos_sin, int64_t max_positions, const int64_t* positions);
+TM_API void tm_rope(int dtype, void* x, int64_t tokens, int64_t heads, int64_t head_dim,
+                    const float* cos_sin, int64_t max_positions, const int64_t* positions);
 /* x (rows, 2 * inter) = [gate | up] -> out (rows, inter) = silu(gate) * up */
-void tm_silu_mul(int dtype, const void* x, void* out, int64_t rows, int64_t inter);
+TM_API void tm_silu_mul(int dtype, const void* x, void* out, int64_t rows, int64_t inter);
 /* first index of each row's maximum (NaN counts as the largest) */
-void tm_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
+TM_API void tm_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
 /* q (batch, heads, head_dim) against one layer's paged cache (blocks, block_size, kv_heads,
  * head_dim); block_tables (batch, max_blocks); window 0 = unlimited */
-void tm_decode_attention(int dtype, const void* q, const void* k_cache, const void* v_cache,
-                         int64_t block_size, int64_t kv_heads, const int64_t* block_tables,
-                         int64_t max_blocks, const int64_t* seq_lens, int64_t batch,
-                         int64_t heads, int64_t head_dim, int64_t window, float scale,
-                         void* out);
+TM_API void tm_decode_attention(int dtype, const void* q, const void* k_cache,
+                                const void* v_cache, int64_t block_size, int64_t kv_heads,
+                                const int64_t* block_tables, int64_t max_blocks,
+                                const int64_t* seq_lens, int64_t batch, int64_t heads,
+                                int64_t head_dim, int64_t window, float scale, void* out);
 /* every decoder layer of a decode-only step: x (batch, hidden) holds the embeddings and
  * receives the final norm's output; caches (layers, blocks, block_size, kv_heads, head_dim) */
-void tm_decode_stack(const tm_decoder* model, void* x, int64_t batch, const int64_t* positions,
-                     void* k_cache, void* v_cache, int64_t num_blocks, int64_t block_size,
-                     const int64_t* slots, const int64_t* block_tables, int64_t max_blocks,
-                     const int64_t* seq_lens);
+TM_API void tm_decode_stack(const tm_decoder* model, void* x, int64_t batch,
+                            const int64_t* positions, void* k_cache, void* v_cache,
+                            int64_t num_blocks, int64_t block_size, const int64_t* slots,
+                            const int64_t* block_tables, int64_t max_blocks,
+                            const int64_t* seq_lens);
 
 #ifdef __cplusplus
 }
