@@ -7,9 +7,10 @@ gather() reads whole blocks through block tables and decodes them to the compute
 
 from __future__ import annotations
 
+import contextlib
 import math
+import mmap
 
-import numpy as np
 import torch
 
 from tokenmill.layers.kv_quant import KVFormat, kv_format
@@ -31,13 +32,20 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed pool. On the CPU its pages come from calloc (numpy), which the OS maps to zero
-    pages written on first use: resident memory and start-up time follow the tokens cached,
-    not the budget (torch.zeros writes every byte at allocation)."""
+    """A zeroed pool. On the CPU its pages are mapped by the OS on first use (an anonymous
+    mapping), so resident memory and start-up time follow the tokens cached, not the budget
+    (torch.zeros writes every byte at allocation); huge pages where the OS allows them
+    (MADV_HUGEPAGE), else a step that writes into fresh 4 KiB pages page-faults dozens of times."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    pool = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            pool.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(pool, dtype=torch.uint8).view(dtype).view(shape)
 
 
 class KVCache:

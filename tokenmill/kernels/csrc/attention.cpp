@@ -1,5 +1,7 @@
 // tokenmill CPU kernels: paged decode attention, one query token per sequence against its K/V
 // history read in place through the block table (no gather copy), on the vector layer.
+#include <type_traits>
+
 #include "tm.h"
 #include "vec.h"
 
@@ -109,6 +111,37 @@ void score(const float* qf, const R* k, int64_t stride, int64_t rows, int64_t D,
   }
 }
 
+#ifdef TM_ISA_AVX512_BF16
+// bf16 scores without widening the keys: VDPBF16PS sums q[d] * k[d] over pairs of d straight
+// from the bf16 cache rows (products exact in float32), eight rows at a time; the scale is
+// applied to the sums. A head_dim that is not a multiple of 32 ends with a masked load.
+inline void score_dot(const bf16* q, const bf16* k, int64_t stride, int64_t rows, int64_t D,
+                      float scale, float* sc) {
+  const int64_t full = D / 32 * 32;
+  const __mmask32 tail = static_cast<__mmask32>((1ull << (D - full)) - 1);
+  auto kload = [&](const bf16* p, int64_t i) {
+    return (__m512bh)(i < full ? _mm512_loadu_si512(p + i) : _mm512_maskz_loadu_epi16(tail, p + i));
+  };
+  int64_t j = 0;
+  for (; j + 8 <= rows; j += 8, k += 8 * stride) {
+    vec a[8];
+    for (int r = 0; r < 8; ++r) a[r] = vzero();
+    for (int64_t i = 0; i < D; i += 32) {
+      __m512bh qv = kload(q, i);
+      for (int r = 0; r < 8; ++r) a[r] = _mm512_dpbf16_ps(a[r], qv, kload(k + r * stride, i));
+    }
+    float sums[8];
+    vsum8(a, sums);
+    for (int r = 0; r < 8; ++r) sc[j + r] = sums[r] * scale;
+  }
+  for (; j < rows; ++j, k += stride) {
+    vec a = vzero();
+    for (int64_t i = 0; i < D; i += 32) a = _mm512_dpbf16_ps(a, kload(q, i), kload(k, i));
+    sc[j] = vsum(a) * scale;
+  }
+}
+#endif
+
 // acc[0 : U vectors] += sum_j sc[j] * v[j][same columns]: U accumulators stay in registers
 // across the rows (independent FMA chains); kPart loads only `part` < kLanes columns.
 template <int U, bool kPart = false, typename R>
@@ -154,6 +187,13 @@ void attend_group(const T* q, const T* kc, const T* vc, const int64_t* table, in
     for (int64_t i = 0; i < D; ++i) qf[g * Dp + i] = to_f(q[g * D + i]) * scale;
   }
   walk(keys, start, [&](int64_t at, int64_t rows, const T* k) {
+#ifdef TM_ISA_AVX512_BF16
+    if constexpr (std::is_same_v<T, bf16>) {  // every query head reads the cache rows directly
+      for (int64_t g = 0; g < nq; ++g)
+        score_dot(q + g * D, k + g / heads * D, row, rows, D, scale, scores + g * n + at);
+      return;
+    }
+#endif
     if (nq == 1) return score(qf, k, row, rows, D, scores + at);
     widen_block(k, rows, row, W, buf);
     for (int64_t g = 0; g < nq; ++g)  // query head g reads KV head g / heads
