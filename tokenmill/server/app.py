@@ -4,6 +4,7 @@ which the app starts and stops with its lifespan."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
@@ -27,16 +28,18 @@ from tokenmill.server.serving import ServedModel
 
 
 def create_app(
-    engine: LLMEngine,
+    engine: LLMEngine | Callable[[], LLMEngine],
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
     max_queued_requests: int | None = None,
     max_request_bytes: int = 16 * 2**20,
 ) -> FastAPI:
-    """An app serving engine. app.state holds async_engine, model and metrics (for tests)."""
-    names = list(served_model_names or [engine.config.model])
+    """An app serving engine (or the engine a function builds, on the engine's step thread:
+    see AsyncEngine). app.state holds async_engine, model and metrics (for tests)."""
+    async_engine = AsyncEngine(engine, max_queued_requests)
+    names = list(served_model_names or [async_engine.engine.config.model])
     metrics = ServerMetrics(names[0])
-    async_engine = AsyncEngine(engine, max_queued_requests, on_output=metrics.observe)
+    async_engine.on_output = metrics.observe
     metrics.watch_engine(lambda: async_engine.stats)
     model = ServedModel(async_engine, names)
 

@@ -53,9 +53,11 @@ def run(args) -> int:
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
     if args.max_queued_requests is not None and args.max_queued_requests < 1:
         raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
-    engine = LLMEngine(EngineConfig(model=args.model, **engine_kwargs(args)))
+    engine_config = EngineConfig(model=args.model, **engine_kwargs(args))
     names = args.served_model_name or [args.model]
-    app = create_app(engine, names, api_key, args.max_queued_requests, args.max_request_bytes)
+    # built on the engine's step thread (see AsyncEngine): one OpenMP team in the process
+    app = create_app(lambda: LLMEngine(engine_config), names, api_key, args.max_queued_requests,
+                     args.max_request_bytes)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
