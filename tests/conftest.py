@@ -19,9 +19,11 @@ REPO = Path(__file__).resolve().parents[1]
 # One PyTorch thread unless told otherwise: the models here are tiny or small, and on a busy
 # 2-core machine OpenMP's spin-waiting made 2 threads up to 7x slower than 1 (measured).
 torch.set_num_threads(int(os.environ.get("TOKENMILL_TEST_THREADS", "1")))
-# Every GEMM on tokenmill's packed kernel: the model tests then exercise it wherever they run,
-# whatever a timing would pick for their tiny shapes (the GEMM planner has its own tests).
+# Every GEMM on tokenmill's packed kernel and every prefill on its attention kernel: the model
+# tests then exercise them wherever they run, whatever a timing would pick for their tiny
+# shapes (the planners have their own tests).
 os.environ.setdefault("TOKENMILL_GEMM", "packed")
+os.environ.setdefault("TOKENMILL_PREFILL_ATTENTION", "kernel")
 EOS = "<|endoftext|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

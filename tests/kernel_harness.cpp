@@ -75,6 +75,14 @@ int main(int argc, char** argv) {
                         reinterpret_cast<const int64_t*>(lens.data()), I(1), I(2), I(4), I(7),
                         static_cast<float>(p[8]), out.data());
     save(dir + "out.bin", out.data(), out.size());
+  } else if (kernel == "prefill") {
+    // dtype new heads kv_heads head_dim block_size computed window scale:
+    // q, k_cache, v_cache, table(i64)
+    Bytes q = in(0), kc = in(1), vc = in(2), table = in(3), out(q.size());
+    tm_prefill_attention(I(0), q.data(), I(1), I(2), I(4), kc.data(), vc.data(), I(5), I(3),
+                         reinterpret_cast<const int64_t*>(table.data()), I(6), I(7),
+                         static_cast<float>(p[8]), out.data());
+    save(dir + "out.bin", out.data(), out.size());
   } else {
     std::fprintf(stderr, "unknown kernel %s\n", kernel.c_str());
     return 2;

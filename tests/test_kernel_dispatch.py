@@ -151,3 +151,14 @@ def test_linear_dispatch_follows_the_plan(monkeypatch):
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight))
     layer(torch.randn(30, 24), out_fp32=True)
     assert ran == [1, 7, 30]
+
+
+@needs_compiler
+def test_prefill_attention_measure_runs():
+    """The start-up measurement behind the prefill attention plan: both paths timed at each
+    length of the ladder."""
+    from tokenmill.kernels import attention_plan
+
+    times = attention_plan.measure(kernels.load_cpu_kernels(), 4, 2, 32, torch.bfloat16)
+    assert times.rows == list(attention_plan.LENGTHS[: len(times.rows)]) and times.rows
+    assert all(t > 0 for t in times.packed + times.torch)

@@ -158,6 +158,54 @@ def test_decode_attention(kops, dtype, window, threads, block_size, seqs, head_d
     close(fast, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+# (tokens already cached, new tokens, window): a first chunk, a later chunk reading its history,
+# a window shorter than the chunk, one token, a chunk ending mid-block
+@pytest.mark.parametrize("computed,new,window", [(0, 37, None), (20, 50, None), (0, 100, 24),
+                                                 (33, 17, 8), (0, 1, None), (5, 60, None)])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_prefill_attention(kops, dtype, computed, new, window, threads):
+    from tokenmill.layers.attention import PagedAttention, chunk_mask
+    from tokenmill.layers.kv_cache import KVCache
+
+    torch.manual_seed(4)
+    bs, hq, hk, d, length = 16, 6, 2, 40, computed + new
+    blocks = length // bs + 3
+    cache = KVCache(1, blocks, bs, hk, d, dtype, torch.device("cpu"))
+    table = torch.randperm(blocks)[: (length + bs - 1) // bs]
+    slots = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(length)])
+    cache.store(0, torch.randn(length, hk, d), torch.randn(length, hk, d), slots)
+    q = torch.randn(new, hq, d).to(dtype)
+    attn = PagedAttention(hq, hk, d, 0, sliding_window=window)
+    fast = kops.lib.prefill_attention(q, cache.k[0][0], cache.v[0][0], table, computed, window,
+                                      attn.scale)
+    k, v = cache.gather(0, table[None], dtype)
+    ref = attn._sdpa(q.transpose(0, 1), k[0, :length].transpose(0, 1),
+                     v[0, :length].transpose(0, 1),
+                     mask=chunk_mask(computed, new, window, q.device)).transpose(0, 1)
+    close(fast, ref, dtype)
+
+
+def test_prefill_attention_plan(monkeypatch):
+    """SDPA from the planned key length on; the kernel below it; float32 stays on SDPA."""
+    from tokenmill.kernels import attention_plan
+
+    backend = ops.KernelOps(load_cpu_kernels())
+    real = attention_plan.sdpa_from_len
+    monkeypatch.setattr(attention_plan, "sdpa_from_len", lambda *a: 64)
+    cache = torch.zeros(8, 16, 2, 32, dtype=torch.bfloat16)
+    q = torch.randn(20, 4, 32).bfloat16()
+    table = torch.arange(8)
+    assert backend.prefill_attention(q, cache, cache, table, 40, None, 0.1) is not None
+    assert backend.prefill_attention(q, cache, cache, table, 44, None, 0.1) is None  # 64 keys
+    assert backend.prefill_attention(q.float(), cache.float(), cache.float(), table, 0, None,
+                                     0.1) is None
+    monkeypatch.setenv("TOKENMILL_PREFILL_ATTENTION", "sdpa")
+    assert real(backend.planner, 4, 2, 32, torch.bfloat16) == 0
+    monkeypatch.setenv("TOKENMILL_PREFILL_ATTENTION", "kernel")
+    assert real(backend.planner, 4, 2, 32, torch.bfloat16) > 1 << 40
+
+
 @pytest.mark.parametrize("n", [1, 7, 8, 21, 49152])
 def test_argmax(kops, n):
     torch.manual_seed(5)

@@ -121,3 +121,26 @@ def test_decode_attention(harness, tmp_path, dtype):
     ref = attn._sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
                      mask=ctx.decode_mask(20))[:, :, 0]
     close(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention(harness, tmp_path, dtype):
+    from tokenmill.layers.attention import PagedAttention, chunk_mask
+    from tokenmill.layers.kv_cache import KVCache
+
+    torch.manual_seed(4)
+    computed, new, window, length = 20, 30, 24, 50
+    cache = KVCache(1, 6, 16, 2, 40, dtype, torch.device("cpu"))
+    table = torch.tensor([4, 0, 5, 2])
+    slots = torch.tensor([int(table[p // 16]) * 16 + p % 16 for p in range(length)])
+    cache.store(0, torch.randn(length, 2, 40), torch.randn(length, 2, 40), slots)
+    q = torch.randn(new, 6, 40).to(dtype)
+    attn = PagedAttention(6, 2, 40, 0, sliding_window=window)
+    got = call(harness, tmp_path, "prefill", [DT[dtype], new, 6, 2, 40, 16, computed, window,
+                                              attn.scale],
+               [q, cache.k[0][0], cache.v[0][0], table], dtype, (new, 6, 40))
+    k, v = cache.gather(0, table[None], dtype)
+    ref = attn._sdpa(q.transpose(0, 1), k[0, :length].transpose(0, 1),
+                     v[0, :length].transpose(0, 1),
+                     mask=chunk_mask(computed, new, window, q.device)).transpose(0, 1)
+    close(got, ref)

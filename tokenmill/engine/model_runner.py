@@ -57,10 +57,15 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, self.ops)
 
     def prepare_weights(self) -> None:
-        """Pack every linear layer's weight (and plan its GEMMs) now, not in the first step."""
+        """Pack every linear layer's weight (and plan its GEMMs and prefill attention) now, not
+        in the first step."""
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.prepared()
+        cfg, cache = self.config, self.kv_cache
+        if not cache.quantized and cache.format.dtype in ops.KERNEL_DTYPES:
+            self.ops.prepare_attention(cfg.num_attention_heads, cfg.num_key_value_heads,
+                                       cfg.head_dim, cache.format.dtype)
 
     @property
     def kernels(self) -> bool:

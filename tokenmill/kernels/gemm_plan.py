@@ -112,15 +112,19 @@ class GemmPlanner:
         return PreparedLinear(packed, times.torch_from_rows(), times)
 
     def times(self, weight, bias, packed: PackedLinear) -> GemmTimes:
-        key = (f"{self.machine}|{torch.get_num_threads()} threads|{weight.dtype}|"
-               f"{weight.shape[0]}x{weight.shape[1]}")
+        shape = f"{weight.shape[0]}x{weight.shape[1]}"
+        return self.cached(f"{weight.dtype}|{shape}", f"GEMM {shape} {weight.dtype}",
+                           lambda: measure(self.lib, weight, bias, packed))
+
+    def cached(self, what: str, label: str, measure_fn) -> GemmTimes:
+        """The times for `what` on this machine: from the cache, else measured now."""
+        key = f"{self.machine}|{torch.get_num_threads()} threads|{what}"
         if key not in self.table:
-            self.table[key] = measure(self.lib, weight, bias, packed)
+            self.table[key] = measure_fn()
             self._write()
             rows = self.table[key].torch_from_rows()
-            logger.info("GEMM %s %s: %s", tuple(weight.shape), str(weight.dtype)[6:],
-                        "packed kernel at every row count" if rows >= NEVER else
-                        f"PyTorch's matmul from {rows} rows, packed kernel below")
+            logger.info("%s: %s", label, "tokenmill's kernel at every size" if rows >= NEVER
+                        else f"PyTorch's from {rows}, tokenmill's kernel below")
         return self.table[key]
 
     def _read(self) -> dict[str, GemmTimes]:
@@ -150,12 +154,12 @@ def measure(lib: KernelLib, weight, bias, packed: PackedLinear) -> GemmTimes:
             break
         x = torch.randn(rows, weight.shape[1], device=weight.device).to(weight.dtype)
         times.rows.append(rows)
-        times.packed.append(_best(lambda x=x: lib.linear(x, packed)))
-        times.torch.append(_best(lambda x=x: F.linear(x, weight, bias)))
+        times.packed.append(best_time(lambda x=x: lib.linear(x, packed)))
+        times.torch.append(best_time(lambda x=x: F.linear(x, weight, bias)))
     return times
 
 
-def _best(fn, budget: float = 0.02) -> float:
+def best_time(fn, budget: float = 0.02) -> float:
     """Best time of a few calls after a warm-up, within about `budget` seconds."""
     fn()
     best, spent = float("inf"), 0.0

@@ -49,6 +49,8 @@ _SIGNATURES = {
     "tm_argmax_rows": (None, [_P, _I, _I, _P]),
     "tm_decode_attention": (None, [c_int, _P, _P, _P, _I, _I, _P, _I, _P, _I, _I, _I, _I,
                                    c_float, _P]),
+    "tm_prefill_attention": (None, [c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, c_float,
+                                    _P]),
     "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, _P, _P, _I, _I, _P, _P, _I, _P]),
 }
 
@@ -181,6 +183,23 @@ class KernelLib:
                                       v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
                                       tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, h,
                                       d, window or 0, scale, out.data_ptr())
+        return out
+
+    def prefill_attention(self, q, k_cache, v_cache, block_table, num_computed, window, scale):
+        """q: (new tokens, heads, head_dim) of one sequence, at positions num_computed onward,
+        causally against its paged K/V (its own K/V stored already); window 0 = unlimited."""
+        _check(q.dim() == 3 and k_cache.dim() == 4 and q.dtype == k_cache.dtype == v_cache.dtype
+               and k_cache.is_contiguous() and v_cache.is_contiguous()
+               and k_cache.shape[3] == q.shape[2], "prefill_attention: caches of q's dtype")
+        q = q.contiguous()
+        table = block_table.to(torch.int64).contiguous()
+        out = torch.empty_like(q)
+        n, h, d = q.shape
+        self._sync_threads()
+        self._lib.tm_prefill_attention(DTYPES[q.dtype], q.data_ptr(), n, h, d, k_cache.data_ptr(),
+                                       v_cache.data_ptr(), k_cache.shape[1], k_cache.shape[2],
+                                       table.data_ptr(), num_computed, window or 0, scale,
+                                       out.data_ptr())
         return out
 
     def decode_stack(self, decoder: Decoder, x: torch.Tensor, positions, k_cache, v_cache,

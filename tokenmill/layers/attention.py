@@ -138,6 +138,13 @@ class PagedAttention(nn.Module):
         return out[:, :, 0, :]
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, ctx: AttentionContext) -> torch.Tensor:
+        if ctx.kv_cache.lossless(q.dtype):  # the paged kernel reads the blocks in place
+            out = self.ops.prefill_attention(
+                q[chunk.start : chunk.end], ctx.kv_cache.k[0][self.layer_idx],
+                ctx.kv_cache.v[0][self.layer_idx], chunk.block_table, chunk.num_computed,
+                self.sliding_window, self.scale)
+            if out is not None:
+                return out
         q = q[chunk.start : chunk.end].transpose(0, 1)  # (heads, new, head_dim)
         if chunk.num_computed == 0 and ctx.kv_cache.lossless(q.dtype):
             k = k[chunk.start : chunk.end]  # the whole history is this chunk: use it directly

@@ -82,6 +82,15 @@ class TorchOps:
         gathers the cache and uses SDPA)."""
         return None
 
+    def prefill_attention(self, q, k_cache, v_cache, block_table, num_computed, window, scale):
+        """Causal attention of one sequence's prefill chunk read in place from its paged cache;
+        None when this implementation has none for it (the caller uses SDPA)."""
+        return None
+
+    def prepare_attention(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+        """Plan the prefill attention of this shape now (measured once per machine)."""
+        return None
+
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """x: (rows, n) -> (rows,) int64: first maximum, NaN counting as the largest."""
         return x.argmax(-1)
@@ -101,6 +110,7 @@ class KernelOps(TorchOps):
         self.lib = lib
         self.name = f"kernels ({lib.isa})"
         self.planner = planner or GemmPlanner.for_lib(lib)
+        self._sdpa_from: dict = {}  # (heads, kv heads, head_dim, dtype) -> key length
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
@@ -147,6 +157,27 @@ class KernelOps(TorchOps):
             return self.lib.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                              window, scale)
         return None
+
+    def prefill_attention(self, q, k_cache, v_cache, block_table, num_computed, window, scale):
+        """bf16 only: float32 is the mode checked against transformers (logits within 1e-4),
+        where PyTorch's SDPA measured closer to it than the kernel's summation order."""
+        n, heads, d = q.shape
+        if not (self.fits(q) and q.dtype == torch.bfloat16 == k_cache.dtype and d % 8 == 0
+                and d <= 256):
+            return None
+        if num_computed + n >= self.prepare_attention(heads, k_cache.shape[2], d, q.dtype):
+            return None
+        return self.lib.prefill_attention(q, k_cache, v_cache, block_table, num_computed, window,
+                                          scale)
+
+    def prepare_attention(self, heads, kv_heads, head_dim, dtype) -> int:
+        """The key length from which SDPA runs a prefill chunk (kernels/attention_plan.py)."""
+        from tokenmill.kernels.attention_plan import sdpa_from_len
+
+        key = (heads, kv_heads, head_dim, dtype)
+        if key not in self._sdpa_from:
+            self._sdpa_from[key] = sdpa_from_len(self.planner, *key)
+        return self._sdpa_from[key]
 
     def argmax(self, x):
         if self.fits(x) and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:

@@ -76,6 +76,14 @@ TM_API void tm_decode_attention(int dtype, const void* q, const void* k_cache,
                                 const int64_t* block_tables, int64_t max_blocks,
                                 const int64_t* seq_lens, int64_t batch, int64_t heads,
                                 int64_t head_dim, int64_t window, float scale, void* out);
+/* causal attention of a prefill chunk: q (n_new, heads, head_dim) at positions
+ * [num_computed, num_computed + n_new) against its sequence's paged K/V (the chunk's own
+ * already stored) through block_table; window 0 = unlimited */
+TM_API void tm_prefill_attention(int dtype, const void* q, int64_t n_new, int64_t heads,
+                                 int64_t head_dim, const void* k_cache, const void* v_cache,
+                                 int64_t block_size, int64_t kv_heads,
+                                 const int64_t* block_table, int64_t num_computed,
+                                 int64_t window, float scale, void* out);
 /* every decoder layer of a decode-only step: x (batch, hidden) holds the embeddings and
  * receives the final norm's output; caches (layers, blocks, block_size, kv_heads, head_dim) */
 TM_API void tm_decode_stack(const tm_decoder* model, void* x, int64_t batch,

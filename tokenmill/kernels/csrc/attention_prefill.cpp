@@ -1,0 +1,256 @@
+// tokenmill CPU kernels: causal attention of a prefill chunk against its paged history (its own
+// K/V already stored), flash-attention style: for a tile of query positions and the query heads
+// of one KV head, walk the keys a tile at a time, keeping each row's running maximum, sum and
+// float32 output; no (queries x keys) matrix and no gathered copy of the cache.
+#include <type_traits>
+
+#include "tm.h"
+#include "vec.h"
+
+namespace tm {
+
+constexpr int64_t kQueryTile = 32;  // query positions per task (x the GQA group's heads)
+constexpr int64_t kKeys = 16;       // keys per step (fewer at a cache block's end)
+constexpr int kKeyVecs = kKeys / kLanes;
+constexpr int kRows = kKeyVecs == 1 ? 8 : 4;  // rows scored (and summed) together
+static_assert(kKeys % kLanes == 0, "a key tile is whole vectors");
+
+// Dynamic schedule: causal tiles differ in work (the last query tile reads every key).
+template <typename F>
+void parallel_dynamic(int64_t n, const F& f) {
+#ifdef _OPENMP
+  if (g_threads > 1 && n > 1 && !omp_in_parallel()) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(static_cast<int>(std::min<int64_t>(g_threads, n)))
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) f(i);
+}
+
+struct Scratch {
+  std::vector<float> q, kt, v, s, m, l, o;
+  std::vector<uint32_t> qp, kp;  // bf16 pairs (the dot-product path)
+};
+
+// s[i][0:kKeys] = scale * q_i . k_j for R rows (q rows `ld` apart) against the transposed key
+// tile kt[d][j]: per d, one key vector load shared by the R rows' broadcasts.
+template <int R>
+void scores_fma(const float* q, int64_t ld, const float* kt, int64_t D, float scale, float* s) {
+  vec a[R][kKeyVecs];
+  for (int i = 0; i < R; ++i)
+    for (int u = 0; u < kKeyVecs; ++u) a[i][u] = vzero();
+  for (int64_t d = 0; d < D; ++d) {
+    vec k[kKeyVecs];
+    for (int u = 0; u < kKeyVecs; ++u) k[u] = vload(kt + d * kKeys + u * kLanes);
+    for (int i = 0; i < R; ++i) {
+      vec qd = vset1(q[i * ld + d]);
+      for (int u = 0; u < kKeyVecs; ++u) a[i][u] = vfma(qd, k[u], a[i][u]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int u = 0; u < kKeyVecs; ++u) vstore(s + i * kKeys + u * kLanes, vmul(a[i][u], vset1(scale)));
+}
+
+#ifdef TM_ISA_AVX512_BF16
+// The same with VDPBF16PS on bf16 pairs: qp[i][d/2] = (q[2d'], q[2d'+1]), kp[d/2][j] the key
+// pairs; half the instructions, scaled afterwards (q is not pre-scaled on this path).
+template <int R>
+void scores_dot(const uint32_t* qp, int64_t ld, const uint32_t* kp, int64_t pairs, float scale,
+                float* s) {
+  __m512 a[R];
+  for (int i = 0; i < R; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < pairs; ++d) {
+    __m512bh k = (__m512bh)_mm512_loadu_si512(kp + d * kKeys);
+    for (int i = 0; i < R; ++i)
+      a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_set1_epi32(qp[i * ld + d]), k);
+  }
+  for (int i = 0; i < R; ++i) _mm512_storeu_ps(s + i * kKeys, _mm512_mul_ps(a[i], _mm512_set1_ps(scale)));
+}
+#endif
+
+// o[i] = o[i] * corr[i] + sum_j p[i][j] v[j] for R rows (p rows kKeys apart, o rows Dp apart):
+// per key, U vectors of its value row serve all R rows (R x U accumulators in registers).
+constexpr int kValueRows = kLanes == 16 ? 4 : 2, kValueVecs = 4;
+
+template <int R, int U>
+void values_block(const float* p, const float* corr, const float* v, int64_t n, int64_t Dp,
+                  int64_t d, float* o) {
+  vec a[R][U];
+  for (int i = 0; i < R; ++i)
+    for (int u = 0; u < U; ++u) a[i][u] = vmul(vload(o + i * Dp + d + u * kLanes), vset1(corr[i]));
+  for (int64_t j = 0; j < n; ++j) {
+    vec vj[U];
+    for (int u = 0; u < U; ++u) vj[u] = vload(v + j * Dp + d + u * kLanes);
+    for (int i = 0; i < R; ++i) {
+      vec pj = vset1(p[i * kKeys + j]);
+      for (int u = 0; u < U; ++u) a[i][u] = vfma(pj, vj[u], a[i][u]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int u = 0; u < U; ++u) vstore(o + i * Dp + d + u * kLanes, a[i][u]);
+}
+
+template <int R>
+void values_fma(const float* p, const float* corr, const float* v, int64_t n, int64_t Dp,
+                float* o) {
+  int64_t d = 0;
+  for (; d + kValueVecs * kLanes <= Dp; d += kValueVecs * kLanes)
+    values_block<R, kValueVecs>(p, corr, v, n, Dp, d, o);
+  for (; d < Dp; d += kLanes) values_block<R, 1>(p, corr, v, n, Dp, d, o);
+}
+
+template <int R, typename F>
+void for_rows(int64_t rows, const F& f) {  // f.template operator()<r>() for r = rows <= R
+  if (rows >= R) return f(std::integral_constant<int, R>());
+  if constexpr (R > 1) for_rows<R - 1>(rows, f);
+}
+
+template <typename T>
+struct PrefillTask {
+  const T* q;  // (tokens, Hq, D)
+  const T *kc, *vc;
+  const int64_t* table;
+  int64_t Hq, Hk, D, BS, computed, window;
+  float scale;
+  T* out;
+
+  static constexpr bool kDot =
+#ifdef TM_ISA_AVX512_BF16
+      std::is_same_v<T, bf16>;
+#else
+      false;
+#endif
+
+  int64_t Dp() const { return (D + kLanes - 1) / kLanes * kLanes; }
+  int64_t at(int64_t h, int64_t pos) const { return ((table[pos / BS] * BS + pos % BS) * Hk + h) * D; }
+
+  // keys [p, p + n) of KV head h: K transposed (kt[d][j], or bf16 pairs kp[d/2][j]), V widened
+  // to v[j][0:Dp]; keys past n are zero
+  void load_keys(int64_t h, int64_t p, int64_t n, Scratch& sc) const {
+    std::fill(sc.v.begin(), sc.v.end(), 0.f);
+    if (kDot) std::fill(sc.kp.begin(), sc.kp.end(), 0u);
+    else std::fill(sc.kt.begin(), sc.kt.end(), 0.f);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* k = kc + at(h, p + j);
+      if constexpr (kDot) {
+        const uint32_t* pairs = reinterpret_cast<const uint32_t*>(k);
+        for (int64_t d = 0; d < D / 2; ++d) sc.kp[d * kKeys + j] = pairs[d];
+      } else {
+        for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeys + j] = to_f(k[d]);
+      }
+      const T* v = vc + at(h, p + j);
+      float* dst = sc.v.data() + j * Dp();
+      int64_t d = 0;
+      for (; d + kLanes <= D; d += kLanes) vstore(dst + d, vload(v + d));
+      for (; d < D; ++d) dst[d] = to_f(v[d]);
+    }
+  }
+
+  // query tile [i0, i0 + rows) x the `group` query heads of KV head h
+  void run(int64_t h, int64_t i0, int64_t rows, Scratch& sc) const {
+    const int64_t group = Hq / Hk, R = rows * group, Dp = this->Dp();
+    sc.kt.resize(D * kKeys), sc.kp.resize(D / 2 * kKeys), sc.v.resize(kKeys * Dp);
+    sc.s.resize(R * kKeys), sc.m.assign(R, -INFINITY), sc.l.assign(R, 0.f);
+    sc.o.assign(R * Dp, 0.f), sc.q.resize(R * D), sc.qp.resize(R * D / 2);
+    for (int64_t r = 0; r < R; ++r) {  // row r: position i0 + r / group, head h * group + r % group
+      const T* src = q + ((i0 + r / group) * Hq + h * group + r % group) * D;
+      if constexpr (kDot) std::memcpy(sc.qp.data() + r * D / 2, src, D * sizeof(T));
+      else for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = to_f(src[d]);
+    }
+    std::vector<float> corr(kRows);
+    int64_t first = computed + i0, last = computed + i0 + rows - 1;  // query positions
+    int64_t p = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
+    for (int64_t n; p <= last; p += n) {
+      n = std::min({kKeys, BS - p % BS, last + 1 - p});
+      load_keys(h, p, n, sc);
+      // rows whose position comes before the tile see none of it: start past them
+      int64_t r0 = std::max<int64_t>(0, p - first) * group;
+      for (; r0 < R; r0 += kRows) {
+        int64_t rb = std::min<int64_t>(kRows, R - r0);
+        float* s = sc.s.data() + r0 * kKeys;
+        for_rows<kRows>(rb, [&](auto c) {
+          if constexpr (kDot) {
+#ifdef TM_ISA_AVX512_BF16
+            scores_dot<c>(sc.qp.data() + r0 * D / 2, D / 2, sc.kp.data(), D / 2, scale, s);
+#endif
+          } else {
+            scores_fma<c>(sc.q.data() + r0 * D, D, sc.kt.data(), D, scale, s);
+          }
+        });
+        for (int64_t i = 0; i < rb; ++i)
+          corr[i] = softmax_step(r0 + i, computed + i0 + (r0 + i) / group, p, n, sc);
+        for (int64_t i = 0; i < rb; i += kValueRows)
+          for_rows<kValueRows>(std::min<int64_t>(kValueRows, rb - i), [&](auto c) {
+            values_fma<c>(s + i * kKeys, corr.data() + i, sc.v.data(), n, Dp,
+                          sc.o.data() + (r0 + i) * Dp);
+          });
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      T* dst = out + ((i0 + r / group) * Hq + h * group + r % group) * D;
+      float inv = 1.f / sc.l[r];
+      for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(sc.o[r * Dp + d] * inv);
+    }
+  }
+
+  // Row r's scores against keys [p, p + n) masked (causal, window) and turned into
+  // exp(s - running max); updates the running max and sum; returns the factor that rescales
+  // its output so far (0 probabilities and factor 1 when the tile is masked for this row).
+  float softmax_step(int64_t r, int64_t qpos, int64_t p, int64_t n, Scratch& sc) const {
+    float* sr = sc.s.data() + r * kKeys;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < kKeys; ++j) {
+      int64_t kpos = p + j;
+      bool ok = j < n && kpos <= qpos && (window <= 0 || kpos > qpos - window);
+      sr[j] = ok ? sr[j] : -INFINITY;
+      mx = std::max(mx, sr[j]);
+    }
+    if (mx == -INFINITY) {
+      std::fill(sr, sr + kKeys, 0.f);
+      return 1.f;
+    }
+    float m_new = std::max(sc.m[r], mx), corr = std::exp(sc.m[r] - m_new), sum = 0.f;
+    for (int u = 0; u < kKeyVecs; ++u) {
+      vec e = vexp(vsub(vload(sr + u * kLanes), vset1(m_new)));
+      vstore(sr + u * kLanes, e);
+      sum += vsum(e);
+    }
+    sc.m[r] = m_new;
+    sc.l[r] = sc.l[r] * corr + sum;
+    return corr;
+  }
+};
+
+template <typename T>
+void prefill_attention(const PrefillTask<T>& t, int64_t n_new) {
+  int64_t tiles = (n_new + kQueryTile - 1) / kQueryTile;
+  parallel_dynamic(t.Hk * tiles, [&](int64_t i) {
+    thread_local Scratch sc;
+    int64_t tile = tiles - 1 - i / t.Hk, h = i % t.Hk;  // the longest tiles first
+    t.run(h, tile * kQueryTile, std::min(kQueryTile, n_new - tile * kQueryTile), sc);
+  });
+}
+
+}  // namespace tm
+
+using namespace tm;
+
+extern "C" void tm_prefill_attention(int dtype, const void* q, int64_t n_new, int64_t heads,
+                                     int64_t head_dim, const void* k_cache, const void* v_cache,
+                                     int64_t block_size, int64_t kv_heads,
+                                     const int64_t* block_table, int64_t num_computed,
+                                     int64_t window, float scale, void* out) {
+  if (dtype == TM_BF16) {
+    PrefillTask<bf16> t{static_cast<const bf16*>(q), static_cast<const bf16*>(k_cache),
+                        static_cast<const bf16*>(v_cache), block_table, heads, kv_heads,
+                        head_dim, block_size, num_computed, window, scale,
+                        static_cast<bf16*>(out)};
+    return prefill_attention(t, n_new);
+  }
+  PrefillTask<float> t{static_cast<const float*>(q), static_cast<const float*>(k_cache),
+                       static_cast<const float*>(v_cache), block_table, heads, kv_heads,
+                       head_dim, block_size, num_computed, window, scale,
+                       static_cast<float*>(out)};
+  prefill_attention(t, n_new);
+}
