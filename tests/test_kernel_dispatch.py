@@ -4,6 +4,7 @@ and the GEMM plan (packed kernel vs PyTorch's matmul, fused decode batch sizes).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 
@@ -15,10 +16,13 @@ from tokenmill.kernels import build, gemm_plan, isa
 from tokenmill.kernels.gemm_plan import NEVER, GemmTimes, PreparedLinear, fused_max_rows
 from tokenmill.layers import ops
 
-needs_compiler = pytest.mark.skipif(build.compiler() is None, reason="no C++ compiler here")
+needs_compiler = pytest.mark.skipif(
+    build.compiler() is None or os.environ.get("TOKENMILL_KERNELS") == "0",
+    reason="no C++ compiler here, or TOKENMILL_KERNELS=0")
 
 
 def test_isa_choice_follows_features_and_override(monkeypatch):
+    monkeypatch.delenv("TOKENMILL_ISA", raising=False)
     monkeypatch.setattr(isa, "cpu_features", lambda: {"avx2": True, "fma3": True, "f16c": True})
     monkeypatch.setattr(isa, "isas_for", lambda arch=None: build.ARCH_ISAS["x86_64"])
     assert isa.supported_isas() == ["avx2", "scalar"]

@@ -4,6 +4,8 @@ kernels on and off."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +19,9 @@ from tokenmill.layers import ops
 # Where a compiler exists the kernels must build: a build error would otherwise silently fall
 # back to the reference paths and skip these tests.
 CAN_BUILD = build.compiler() is not None
-pytestmark = pytest.mark.skipif(not CAN_BUILD, reason="no C++ compiler here")
+pytestmark = [pytest.mark.skipif(not CAN_BUILD, reason="no C++ compiler here"),
+              pytest.mark.skipif(os.environ.get("TOKENMILL_KERNELS") == "0",
+                                 reason="TOKENMILL_KERNELS=0: reference ops only")]
 ISAS = supported_isas()
 DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}

@@ -153,7 +153,7 @@ def test_oversized_body_is_413(make_server):
 def test_health_during_generation(server):
     """The event loop stays responsive while the step thread runs forward passes."""
     done = threading.Event()
-    body = {"prompt": "hi", "max_tokens": 40, "ignore_eos": True}
+    body = {"prompt": "hi", "max_tokens": 200, "ignore_eos": True}  # long enough to poll
     worker = threading.Thread(target=lambda: (post(server, "/v1/completions", body), done.set()))
     worker.start()
     answered = 0
