@@ -1,7 +1,8 @@
 // AVX2 only: the k loop of a 4-6 row GEMM tile on bf16 panels, in assembly. GCC 12 keeps only
 // 7 of the 6-row intrinsics tile's 12 accumulators in registers (the bf16 mask takes the 16th)
-// and spills the rest inside the k loop; this loop keeps all twelve (same sums, bit for bit;
-// docs/performance.md has the measurements). ymm0-11 accumulate (row i in ymm 2i and 2i+1),
+// and spills the rest inside the k loop; this loop keeps all twelve (same sums, bit for bit).
+// gemm.cpp uses it for 5-6 row tiles, where it measured faster than the intrinsics on both
+// the Zen 3 and the Zen 4; 4-row tiles were slower with it (docs/performance.md). ymm0-11 accumulate (row i in ymm 2i and 2i+1),
 // ymm12/13 hold the widened weights, ymm14 the broadcast input, ymm15 the mask; four k steps per
 // iteration, two prefetched lines (128 bytes = 4 k steps). `.if` assembles only the tile's rows.
 #pragma once
