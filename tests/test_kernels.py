@@ -273,3 +273,33 @@ def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch):
             m.setattr(llama.LlamaModel, "_fused_decoder", lambda *a: None)
             layered, _ = greedy(path, "float32", True, prompts)
         assert fused == layered, arch
+
+
+def test_float16_model_runs_op_by_op(tiny_llama):
+    """The kernels take float32 and bf16; a float16 model on the CPU runs the reference ops
+    (and no fused decode step) with the kernels on, as it does with them off."""
+    prompts = random_prompts(2, 3, 20, seed=11)
+    fast, llm = greedy(tiny_llama[0], "float16", True, prompts)
+    ref, _ = greedy(tiny_llama[0], "float16", False, prompts)
+    assert llm.engine.runner.kernels and llm.engine.runner.model.model._fused is False
+    assert fast == ref
+
+
+@pytest.mark.parametrize("arch,extra", [
+    ("mistral", {"sliding_window": 8}),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+])
+@pytest.mark.parametrize("chunk", [2048, 16])  # one prefill chunk, or 16-token chunks
+def test_bf16_prefill_attention_in_models(tmp_path, arch, extra, chunk):
+    """bf16 prefill runs the paged prefill kernel (windows, two block pools, chunks reading
+    their history through block tables with released blocks): logits close to the reference
+    ops' (bf16 rounding apart)."""
+    from tests.conftest import save_tiny_model
+
+    save_tiny_model(tmp_path, arch, **extra)
+    ids = random_prompts(1, 45, 45, seed=12)[0]
+    logits = [LLM(str(tmp_path), dtype="bfloat16", use_kernels=kernels, max_model_len=128,
+                  max_num_batched_tokens=chunk).engine.compute_logits(ids)
+              for kernels in (True, False)]
+    scale = logits[1].abs().max().item()
+    assert (logits[0] - logits[1]).abs().max().item() < 0.05 * scale

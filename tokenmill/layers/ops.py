@@ -187,7 +187,11 @@ class KernelOps(TorchOps):
     def fused_decoder(self, weights):
         from tokenmill.layers.fused_decode import FusedDecoder
 
-        return FusedDecoder(self.lib, weights) if weights is not None else None
+        if weights is None or not self.fits(weights.final_norm) or any(
+                lin.prepared() is None for layer in weights.layers
+                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)):
+            return None  # e.g. a float16 model: its layers run op by op
+        return FusedDecoder(self.lib, weights)
 
 
 # ---- choosing -----------------------------------------------------------------------------
