@@ -44,6 +44,13 @@ int main(int argc, char** argv) {
     tm_linear lin{packed.data(), I(4) ? reinterpret_cast<const float*>(b.data()) : nullptr, n, k};
     tm_linear_fwd(dt, x.data(), m, &lin, odt, out.data());
     save(dir + "out.bin", out.data(), out.size());
+  } else if (kernel == "qlinear") {  // quant n k m dtype out_dtype: blocks(u8), x
+    int dt = I(4), odt = I(5);
+    int64_t n = I(1), k = I(2), m = I(3);
+    Bytes blocks = in(0), x = in(1), out(m * n * elem(odt));
+    tm_linear lin{blocks.data(), nullptr, n, k, static_cast<int32_t>(I(0))};
+    tm_linear_fwd(dt, x.data(), m, &lin, odt, out.data());
+    save(dir + "out.bin", out.data(), out.size());
   } else if (kernel == "rms_norm") {  // dtype rows hidden eps has_add: x, w, add
     int dt = I(0);
     Bytes x = in(0), w = in(1), add = I(4) ? in(2) : Bytes(), out(x.size());

@@ -144,3 +144,20 @@ def test_prefill_attention(harness, tmp_path, dtype):
                      v[0, :length].transpose(0, 1),
                      mask=chunk_mask(computed, new, window, q.device)).transpose(0, 1)
     close(got, ref)
+
+
+@pytest.mark.parametrize("fmt,qid", [("Q4_0", 2), ("Q4_1", 3), ("Q8_0", 8)])
+@pytest.mark.parametrize("rows", [1, 5, 20])  # in registers, two passes, dequantized panels
+def test_quantized_linear(harness, tmp_path, fmt, qid, rows):
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((24, 96)).astype(np.float32)
+    q = quantize(w, getattr(GGMLQuantizationType, fmt))
+    ref_w = torch.from_numpy(dequantize(q, getattr(GGMLQuantizationType, fmt)).astype(np.float32))
+    x = torch.randn(rows, 96)
+    got = call(harness, tmp_path, "qlinear", [qid, 24, 96, rows, 0, 0],
+               [torch.from_numpy(q).view(torch.uint8), x], torch.float32, (rows, 24))
+    close(got, F.linear(x, ref_w))

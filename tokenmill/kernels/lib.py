@@ -12,12 +12,14 @@ from pathlib import Path
 import torch
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
-ABI_VERSION = 1
+QUANT_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}  # ggml id, bytes per 32
+ABI_VERSION = 2
 _P, _I = c_void_p, c_int64
 
 
 class Linear(ctypes.Structure):
-    _fields_ = [("packed", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64)]
+    _fields_ = [("packed", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64),
+                ("quant", ctypes.c_int32)]
 
 
 class Layer(ctypes.Structure):
@@ -43,6 +45,7 @@ _SIGNATURES = {
     "tm_packed_numel": (_I, [c_int, _I, _I]),
     "tm_pack_weight": (None, [c_int, _P, _I, _I, _P]),
     "tm_linear_fwd": (None, [c_int, _P, _I, POINTER(Linear), c_int, _P]),
+    "tm_dequantize": (None, [c_int, _P, _I, _I, _P]),
     "tm_rms_norm": (None, [c_int, _P, _P, _P, _P, _I, _I, c_float]),
     "tm_rope": (None, [c_int, _P, _I, _I, _I, _P, _I, _P]),
     "tm_silu_mul": (None, [c_int, _P, _P, _I, _I]),
@@ -65,12 +68,14 @@ def _check(ok: bool, what: str) -> None:
 
 
 class PackedLinear:
-    """A weight in the library's panel layout plus its float32 bias, as the C struct reads it;
-    holds the tensors the struct points to."""
+    """A weight in the library's panel layout (or GGUF blocks of `quant`, a QUANT_TYPES name)
+    plus its float32 bias, as the C struct reads it; holds the tensors the struct points to."""
 
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int):
-        self.packed, self.bias, self.n, self.k = packed, bias, n, k
-        self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k)
+    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
+                 quant: str | None = None):
+        self.packed, self.bias, self.n, self.k, self.quant = packed, bias, n, k, quant
+        qid = QUANT_TYPES[quant][0] if quant else 0
+        self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k, qid)
 
 
 class KernelLib:
@@ -110,9 +115,26 @@ class KernelLib:
         b = None if bias is None else bias.detach().float().contiguous()
         return PackedLinear(packed, b, n, k)
 
+    def quantized(self, blocks: torch.Tensor, quant: str, n: int, k: int,
+                  bias: torch.Tensor | None = None) -> PackedLinear:
+        """(n, k) GGUF blocks of `quant` (uint8, row after row) as the kernels read them."""
+        qid, size = QUANT_TYPES[quant]
+        _check(k % 32 == 0 and blocks.dtype == torch.uint8 and blocks.numel() == n * k // 32 * size,
+               f"quantized: {quant} blocks of a ({n}, {k}) weight")
+        b = None if bias is None else bias.detach().float().contiguous()
+        return PackedLinear(blocks.contiguous(), b, n, k, quant)
+
+    def dequantize(self, w: PackedLinear) -> torch.Tensor:
+        out = torch.empty(w.n, w.k, dtype=torch.float32, device=w.packed.device)
+        self._sync_threads()
+        self._lib.tm_dequantize(QUANT_TYPES[w.quant][0], w.packed.data_ptr(), w.n, w.k,
+                                out.data_ptr())
+        return out
+
     def linear(self, x: torch.Tensor, w: PackedLinear, out_fp32: bool = False) -> torch.Tensor:
         """x (m, k) @ w.T + bias, in x's dtype (float32 with out_fp32: from the accumulators)."""
-        _check(x.dim() == 2 and x.shape[1] == w.k and x.dtype == w.packed.dtype,
+        _check(x.dim() == 2 and x.shape[1] == w.k and x.dtype in DTYPES
+               and (w.quant or x.dtype == w.packed.dtype),
                f"linear: x {tuple(x.shape)} {x.dtype} vs weight ({w.n}, {w.k}) {w.packed.dtype}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], w.n, dtype=torch.float32 if out_fp32 else x.dtype,

@@ -37,6 +37,26 @@ inline bf16 to_bf16(float f) {
   return bf16{static_cast<uint16_t>(u >> 16)};
 }
 
+// IEEE half (GGUF block scales) -> float32, exactly (normals, subnormals, inf, NaN).
+inline float half_to_f(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  uint32_t bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000 | (man << 13);
+  } else if (exp) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man) {  // subnormal: normalize
+    int e = 113;
+    while (!(man & 0x400)) { man <<= 1; --e; }
+    bits = sign | (static_cast<uint32_t>(e) << 23) | ((man & 0x3FF) << 13);
+  } else {
+    bits = sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 template <typename T> inline T from_f(float v);
 template <> inline float from_f<float>(float v) { return v; }
 template <> inline bf16 from_f<bf16>(float v) { return to_bf16(v); }

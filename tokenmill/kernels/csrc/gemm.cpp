@@ -8,6 +8,7 @@
 // in pairs, (k, k + 1) of each row side by side, for the dot-product instruction (gemm_dot.h).
 #include <type_traits>
 
+#include "internal.h"
 #include "tm.h"
 #include "vec.h"
 #ifdef TM_ISA_AVX2
@@ -173,22 +174,26 @@ inline bool dot_layout(int dtype) {
 // k positions per panel (an odd k is padded to an even one in the pair layout)
 inline int64_t panel_depth(int dtype, int64_t k) { return dot_layout(dtype) ? (k + 1) / 2 * 2 : k; }
 
+// Panels from rows: row(r, buf) writes row r's k values (as float32) into buf; rows past n and
+// k past the weight's are zero. Float rows hold bf16 values exactly, so a bf16 weight packs
+// bit for bit.
 template <typename W>
-void pack(const W* w, int64_t n, int64_t k, bool pairs, W* out) {
+void pack_from(int64_t n, int64_t k, bool pairs, W* out, const RowFn& row) {
   int64_t depth = pairs ? (k + 1) / 2 * 2 : k, panels = (n + kPanel - 1) / kPanel;
   parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> rows(kPanel * depth);  // the panel's rows, zero past n and past k
     for (int64_t p = p0; p < p1; ++p) {
+      std::fill(rows.begin(), rows.end(), 0.f);
+      for (int64_t j = 0; j < kPanel && p * kPanel + j < n; ++j) row(p * kPanel + j, &rows[j * depth]);
       W* dst = out + p * depth * kPanel;
-      for (int64_t kk = 0; kk < depth; ++kk) {
+      // slot of (row j, k kk) in the panel: see the layouts at the top of this file
+      for (int64_t kk = 0; kk < depth; ++kk)
         for (int64_t j = 0; j < kPanel; ++j) {
-          // slot of (row j, k kk) in the panel: see the layouts at the top of this file
           int64_t slot = pairs ? (kk / 2) * 2 * kPanel + j * 2 + kk % 2
                          : std::is_same_v<W, bf16> ? kk * kPanel + (j % kLanes) * 2 + j / kLanes
                                                    : kk * kPanel + j;
-          int64_t row = p * kPanel + j;
-          dst[slot] = row < n && kk < k ? w[row * k + kk] : W{};
+          dst[slot] = from_f<W>(rows[j * depth + kk]);
         }
-      }
     }
   });
 }
@@ -216,6 +221,17 @@ void linear_typed(int dtype, const void* x, int64_t m, const tm_linear* w, O* ou
 #endif
 }
 
+void pack_rows(int dtype, int64_t n, int64_t k, void* out, const RowFn& row) {
+  if (dtype == TM_F32) return pack_from(n, k, false, static_cast<float*>(out), row);
+  pack_from(n, k, dot_layout(dtype), static_cast<bf16*>(out), row);
+}
+
+void packed_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
+                   void* out) {
+  if (out_dtype == TM_F32) return linear_typed(dtype, x, m, w, static_cast<float*>(out));
+  linear_typed(dtype, x, m, w, static_cast<bf16*>(out));
+}
+
 }  // namespace tm
 
 using namespace tm;
@@ -229,14 +245,17 @@ int64_t tm_packed_numel(int dtype, int64_t n, int64_t k) {
 }
 
 void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out) {
-  if (dtype == TM_F32) return pack(static_cast<const float*>(w), n, k, false, static_cast<float*>(out));
-  pack(static_cast<const bf16*>(w), n, k, dot_layout(dtype), static_cast<bf16*>(out));
+  pack_rows(dtype, n, k, out, [&](int64_t r, float* buf) {
+    for (int64_t i = 0; i < k; ++i)
+      buf[i] = dtype == TM_F32 ? static_cast<const float*>(w)[r * k + i]
+                               : to_f(static_cast<const bf16*>(w)[r * k + i]);
+  });
 }
 
 void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
                    void* out) {
-  if (out_dtype == TM_F32) return linear_typed(dtype, x, m, w, static_cast<float*>(out));
-  linear_typed(dtype, x, m, w, static_cast<bf16*>(out));
+  if (w->quant) return quant_linear(dtype, x, m, w, out_dtype, out);
+  packed_linear(dtype, x, m, w, out_dtype, out);
 }
 
 }  // extern "C"

@@ -16,13 +16,17 @@ extern "C" {
 #define TM_API __attribute__((visibility("default")))
 
 enum { TM_F32 = 0, TM_BF16 = 1 };
-#define TM_ABI_VERSION 1
+/* GGUF block formats read natively (llama.cpp's ggml type ids), blocks of 32 weights */
+enum { TM_Q4_0 = 2, TM_Q4_1 = 3, TM_Q8_0 = 8 };
+#define TM_ABI_VERSION 2
 
-/* A linear layer's weight in this build's packed layout (tm_pack_weight), (n, k) unpacked. */
+/* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
+ * the model's dtype); else the GGUF blocks of that type, row after row, k / 32 blocks a row. */
 typedef struct {
   const void* packed;
   const float* bias; /* (n,) float32 or NULL */
   int64_t n, k;
+  int32_t quant;
 } tm_linear;
 
 /* One Llama-family decoder layer, named as in models/llama.py. Norm weights are in the
@@ -55,7 +59,10 @@ TM_API void tm_set_num_threads(int threads);
 TM_API int64_t tm_panel_rows(void);
 TM_API int64_t tm_packed_numel(int dtype, int64_t n, int64_t k);
 TM_API void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out);
-/* out (m, n) in out_dtype = x (m, k) @ w.T + bias; x in the weight's dtype */
+/* (n, k) GGUF blocks of `quant` -> float32 (the reference dequantization) */
+TM_API void tm_dequantize(int quant, const void* blocks, int64_t n, int64_t k, float* out);
+/* out (m, n) in out_dtype = x (m, k) @ w.T + bias; x in the packed weight's dtype, or float32 /
+ * bfloat16 for quantized weights */
 TM_API void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w,
                           int out_dtype, void* out);
 

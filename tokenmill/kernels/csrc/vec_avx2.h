@@ -82,6 +82,21 @@ inline void vload_panel(const bf16* p, vec& lo, vec& hi) {
   hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+inline float vhalf(uint16_t h) { return _cvtsh_ss(h); }  // IEEE half -> float32
+
+// Quantized codes: kLanes bytes -> kLanes floats (unsigned low / high nibbles, signed bytes).
+inline vec vload_lo4(const uint8_t* p) {
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(0xF)));
+}
+inline vec vload_hi4(const uint8_t* p) {
+  __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+inline vec vload_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
 // Prefetches as asm statements: GCC deletes a loop of _mm_prefetch calls and nothing else.
 inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
 inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }

@@ -86,6 +86,21 @@ inline void vload_panel(const bf16* p, vec& lo, vec& hi) {
   hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
+inline float vhalf(uint16_t h) { return _cvtsh_ss(h); }  // IEEE half -> float32
+
+// Quantized codes: kLanes bytes -> kLanes floats (unsigned low / high nibbles, signed bytes).
+inline vec vload_lo4(const uint8_t* p) {
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF)));
+}
+inline vec vload_hi4(const uint8_t* p) {
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+inline vec vload_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
 inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
 inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
 

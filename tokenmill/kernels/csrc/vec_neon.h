@@ -89,6 +89,24 @@ inline void vload_panel(const bf16* p, vec& lo, vec& hi) {  // 32-bit lane i: (r
   hi = {vreinterpretq_f32_u32(vandq_u32(w0, mask)), vreinterpretq_f32_u32(vandq_u32(w1, mask))};
 }
 
+inline float vhalf(uint16_t h) {
+  __fp16 v;
+  std::memcpy(&v, &h, 2);
+  return static_cast<float>(v);
+}  // IEEE half -> float32
+
+// Quantized codes: kLanes bytes -> kLanes floats (unsigned low / high nibbles, signed bytes).
+inline vec u8x8_to_vec(uint8x8_t b) {
+  uint16x8_t w = vmovl_u8(b);
+  return {vcvtq_f32_u32(vmovl_u16(vget_low_u16(w))), vcvtq_f32_u32(vmovl_u16(vget_high_u16(w)))};
+}
+inline vec vload_lo4(const uint8_t* p) { return u8x8_to_vec(vand_u8(vld1_u8(p), vdup_n_u8(0xF))); }
+inline vec vload_hi4(const uint8_t* p) { return u8x8_to_vec(vshr_n_u8(vld1_u8(p), 4)); }
+inline vec vload_i8(const int8_t* p) {
+  int16x8_t w = vmovl_s8(vld1_s8(p));
+  return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w)))};
+}
+
 inline void prefetch_l1(const void* p) { __builtin_prefetch(p, 0, 3); }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 

@@ -69,6 +69,25 @@ inline void vload_panel(const bf16* p, vec& lo, vec& hi) {
   }
 }
 
+inline float vhalf(uint16_t h) { return half_to_f(h); }  // IEEE half -> float32
+
+// Quantized codes: kLanes bytes -> kLanes floats (unsigned low / high nibbles, signed bytes).
+inline vec vload_lo4(const uint8_t* p) {
+  vec r;
+  for (int i = 0; i < kLanes; ++i) r.x[i] = static_cast<float>(p[i] & 0xF);
+  return r;
+}
+inline vec vload_hi4(const uint8_t* p) {
+  vec r;
+  for (int i = 0; i < kLanes; ++i) r.x[i] = static_cast<float>(p[i] >> 4);
+  return r;
+}
+inline vec vload_i8(const int8_t* p) {
+  vec r;
+  for (int i = 0; i < kLanes; ++i) r.x[i] = static_cast<float>(p[i]);
+  return r;
+}
+
 inline void prefetch_l1(const void*) {}
 inline void prefetch_l2(const void*) {}
 
