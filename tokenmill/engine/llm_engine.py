@@ -36,7 +36,7 @@ class LLMEngine:
         if self.device.type == "cpu":
             keep_freed_memory()
         path = resolve_model(config.model)
-        read_model_config(path)  # parsed once, reused by the loaders
+        read_model_config(path)  # a GGUF's metadata is parsed once, here, and reused by the loaders
         clock.lap("metadata")
         backend = ops.select(config.use_kernels, self.device)
         clock.lap("kernel library")

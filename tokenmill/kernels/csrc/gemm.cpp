@@ -103,6 +103,18 @@ void micro(const float* x, int64_t ldx, const W* panel, int64_t K, const float* 
   store_tile<MR>(tile, bias, out, ldo, cols);
 }
 
+// Row blocks of a GEMM: as few as fit L2 (`xbytes` per input value), of equal size in whole
+// tiles of MR rows, so threads taking equal runs of (block, panel) work items share it evenly.
+struct RowBlocks {
+  int64_t size, count;
+  RowBlocks(int64_t M, int64_t K, int64_t MR, int64_t xbytes) {
+    int64_t most = std::max<int64_t>(MR, 256 * 1024 / (xbytes * K));
+    count = (M + most - 1) / most;
+    size = ((M + count - 1) / count + MR - 1) / MR * MR;
+    count = (M + size - 1) / size;
+  }
+};
+
 }  // namespace tm
 
 #ifdef TM_ISA_AVX512_BF16
@@ -135,11 +147,8 @@ template <int MR, template <int, typename, typename> class M, typename X, typena
 void gemm_packed(const X* x, const W* w, int64_t panel_elems, const float* bias, O* out,
                  int64_t Mrows, int64_t N, int64_t K) {
   int64_t panels = (N + kPanel - 1) / kPanel, bytes = panel_elems * sizeof(W);
-  // as few blocks as fit L2, of equal size (threads take equal runs of work items)
-  int64_t most = std::max<int64_t>(MR, 256 * 1024 / (int64_t(sizeof(X)) * K));
-  int64_t blocks = (Mrows + most - 1) / most;
-  int64_t block = ((Mrows + blocks - 1) / blocks + MR - 1) / MR * MR;
-  blocks = (Mrows + block - 1) / block;
+  const RowBlocks rb(Mrows, K, MR, sizeof(X));
+  const int64_t block = rb.size, blocks = rb.count;
   parallel_for(0, blocks * panels, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       int64_t m0 = t / panels * block, m1 = std::min(Mrows, m0 + block), p = t % panels;

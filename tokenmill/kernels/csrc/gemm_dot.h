@@ -71,10 +71,8 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
               int64_t M, int64_t N, int64_t K) {
   constexpr int MR = kDotTileRows;
   const int64_t panels = (N + kPanel - 1) / kPanel, pairs = K / 2, total = (K + 1) / 2;
-  int64_t most = std::max<int64_t>(MR, 256 * 1024 / (2 * K));
-  int64_t blocks = (M + most - 1) / most;
-  int64_t block = ((M + blocks - 1) / blocks + MR - 1) / MR * MR;
-  blocks = (M + block - 1) / block;
+  const RowBlocks rb(M, K, MR, sizeof(bf16));
+  const int64_t block = rb.size, blocks = rb.count;
   parallel_for(0, blocks * panels, 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> scratch;
     scratch.resize(block * kPanel);

@@ -31,24 +31,8 @@ inline uint16_t half_at(const uint8_t* p) {
   return h;
 }
 
-// one block -> 32 floats (the reference dequantization; the prefill path)
-void dequant_block(int quant, const uint8_t* b, float* out) {
-  float d = vhalf(half_at(b));
-  if (quant == TM_Q8_0) {
-    for (int j = 0; j < 32; ++j) out[j] = d * static_cast<int8_t>(b[2 + j]);
-    return;
-  }
-  float m = quant == TM_Q4_1 ? vhalf(half_at(b + 2)) : 0.f;
-  const uint8_t* q = b + (quant == TM_Q4_1 ? 4 : 2);
-  for (int j = 0; j < 16; ++j) {
-    int lo = q[j] & 0xF, hi = q[j] >> 4;
-    out[j] = quant == TM_Q4_0 ? d * (lo - 8) : d * lo + m;
-    out[16 + j] = quant == TM_Q4_0 ? d * (hi - 8) : d * hi + m;
-  }
-}
-
-// dequant_block with the vector layer (the same values)
-inline void dequant_fast(int quant, const uint8_t* b, float* out) {
+// one block -> 32 floats: the dequantization (the same values as the gguf package's)
+inline void dequantize_block(int quant, const uint8_t* b, float* out) {
   constexpr int kVecs = kBlock / kLanes;
   vec d = vset1(vhalf(half_at(b)));
   if (quant == TM_Q8_0) {
@@ -163,7 +147,7 @@ void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int o
   panels.resize(tm_packed_numel(dtype, w->n, K) * (dtype == TM_F32 ? 4 : 2));
   pack_rows(dtype, w->n, K, panels.data(), [&](int64_t r, float* buf) {
     for (int64_t b = 0; b < blocks; ++b)
-      dequant_fast(w->quant, wq + (r * blocks + b) * bytes, buf + b * kBlock);
+      dequantize_block(w->quant, wq + (r * blocks + b) * bytes, buf + b * kBlock);
   });
   tm_linear packed{panels.data(), w->bias, w->n, K, 0};
   packed_linear(dtype, x, m, &packed, out_dtype, out);
@@ -177,6 +161,6 @@ extern "C" void tm_dequantize(int quant, const void* blocks, int64_t n, int64_t 
   tm::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < per_row; ++b)
-        tm::dequant_block(quant, wq + (r * per_row + b) * bytes, out + r * k + b * tm::kBlock);
+        tm::dequantize_block(quant, wq + (r * per_row + b) * bytes, out + r * k + b * tm::kBlock);
   });
 }
