@@ -44,11 +44,16 @@ int main(int argc, char** argv) {
     tm_linear lin{packed.data(), I(4) ? reinterpret_cast<const float*>(b.data()) : nullptr, n, k};
     tm_linear_fwd(dt, x.data(), m, &lin, odt, out.data());
     save(dir + "out.bin", out.data(), out.size());
-  } else if (kernel == "qlinear") {  // quant n k m dtype out_dtype: blocks(u8), x
-    int dt = I(4), odt = I(5);
+  } else if (kernel == "qlinear") {  // bits n k m dtype out_dtype: codes(u8), d, m(f16), x
+    int bits = I(0), dt = I(4), odt = I(5);
     int64_t n = I(1), k = I(2), m = I(3);
-    Bytes blocks = in(0), x = in(1), out(m * n * elem(odt));
-    tm_linear lin{blocks.data(), nullptr, n, k, static_cast<int32_t>(I(0))};
+    Bytes codes = in(0), d = in(1), mn = in(2), x = in(3), out(m * n * elem(odt));
+    Bytes packed(tm_qpacked_bytes(bits, n, k));
+    tm_qpack(bits, reinterpret_cast<const uint8_t*>(codes.data()),
+             reinterpret_cast<const uint16_t*>(d.data()),
+             reinterpret_cast<const uint16_t*>(mn.data()), n, k,
+             reinterpret_cast<uint8_t*>(packed.data()));
+    tm_linear lin{packed.data(), nullptr, n, k, bits};
     tm_linear_fwd(dt, x.data(), m, &lin, odt, out.data());
     save(dir + "out.bin", out.data(), out.size());
   } else if (kernel == "rms_norm") {  // dtype rows hidden eps has_add: x, w, add

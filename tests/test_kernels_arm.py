@@ -146,18 +146,17 @@ def test_prefill_attention(harness, tmp_path, dtype):
     close(got, ref)
 
 
-@pytest.mark.parametrize("fmt,qid", [("Q4_0", 2), ("Q4_1", 3), ("Q8_0", 8)])
-@pytest.mark.parametrize("rows", [1, 5, 20])  # in registers, two passes, dequantized panels
-def test_quantized_linear(harness, tmp_path, fmt, qid, rows):
-    import numpy as np
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 9])  # one tile, two
+def test_quantized_linear(harness, tmp_path, bits, rows):
+    from tokenmill.quantization import BlockQuant, linear_ref
 
-    rng = np.random.default_rng(2)
-    w = rng.standard_normal((24, 96)).astype(np.float32)
-    q = quantize(w, getattr(GGMLQuantizationType, fmt))
-    ref_w = torch.from_numpy(dequantize(q, getattr(GGMLQuantizationType, fmt)).astype(np.float32))
+    g = torch.Generator().manual_seed(2)
+    bq = BlockQuant(torch.randint(0, 1 << bits, (24, 96), generator=g, dtype=torch.uint8),
+                    (torch.rand(24, 3, generator=g) * 0.1).half(),
+                    (torch.randn(24, 3, generator=g) * 0.3).half(), bits)
     x = torch.randn(rows, 96)
-    got = call(harness, tmp_path, "qlinear", [qid, 24, 96, rows, 0, 0],
-               [torch.from_numpy(q).view(torch.uint8), x], torch.float32, (rows, 24))
-    close(got, F.linear(x, ref_w))
+    got = call(harness, tmp_path, "qlinear", [bits, 24, 96, rows, 0, 0],
+               [bq.codes, bq.d.view(torch.int16), bq.m.view(torch.int16), x], torch.float32,
+               (rows, 24))
+    close(got, linear_ref(x, bq))

@@ -32,13 +32,20 @@ def random_prompt(rng: random.Random, vocab: int, length: int) -> dict:
 
 def weight_bytes_per_token(model) -> int:
     """Bytes a decode step must read: every matmul weight (the LM head included, even when it
-    shares the embedding table) plus norms; the embedding lookup reads one row only."""
+    shares the embedding table) plus norms; the embedding lookup reads one row only. A
+    quantized weight counts its packed bytes (codes and scales)."""
+    from tokenmill.layers.linear import quant_of
+
     seen, total = set(), 0
     for name, p in model.named_parameters():
         if id(p) in seen or name.endswith("embed_tokens.weight") and not _tied(model):
             continue
         seen.add(id(p))
-        total += p.numel() * p.element_size()
+        q = quant_of(p)
+        if q is None:
+            total += p.numel() * p.element_size()
+        else:  # the kernels' packed bytes (the reference keeps a BlockQuant)
+            total += q.packed.numel() if hasattr(q, "packed") else q.codes.numel()
     return total
 
 

@@ -19,7 +19,7 @@ CSRC = Path(__file__).parent / "csrc"
 # Best first. The x86 flags name exactly the extensions each vector layer uses (vec_*.h).
 ISA_FLAGS = {
     "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
-                    "-mavx2", "-mfma", "-mf16c"],
+                    "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
                "-mf16c"],
     "avx2": ["-mavx2", "-mfma", "-mf16c"],

@@ -75,7 +75,10 @@ def fused_max_rows(layers: list[list[PreparedLinear]]) -> int:
     mode = forced()
     if mode:
         return NEVER if mode == "packed" else 0
-    times = [p.times for layer in layers for p in layer]
+    # quantized layers have no PyTorch alternative (times None): they run the same either way
+    times = [p.times for layer in layers for p in layer if p.times is not None]
+    if not times:
+        return NEVER
     best = 0
     for i, rows in enumerate(times[0].rows):
         if any(i >= len(t.rows) for t in times):

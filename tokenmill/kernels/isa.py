@@ -12,13 +12,13 @@ from tokenmill.kernels.build import isas_for, machine_arch
 
 # The x86 extensions each build's flags enable (build.ISA_FLAGS), as cpuinfo names them.
 NEEDS = {
-    "avx512_bf16": ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_bf16", "avx2",
-                    "fma3", "f16c"),
+    "avx512_bf16": ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_bf16",
+                    "avx512_vnni", "avx2", "fma3", "f16c"),
     "avx512": ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx2", "fma3", "f16c"),
     "avx2": ("avx2", "fma3", "f16c"),
 }
 DESCRIPTIONS = {
-    "avx512_bf16": "AVX-512 with BF16 dot products",
+    "avx512_bf16": "AVX-512 with BF16 and VNNI dot products",
     "avx512": "AVX-512",
     "avx2": "AVX2 + FMA",
     "neon": "NEON",

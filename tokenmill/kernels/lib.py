@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
-QUANT_TYPES = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}  # ggml id, bytes per 32
-ABI_VERSION = 2
+QUANT_BITS = (4, 8)  # block-quantized weights: TM_QI4, TM_QI8 (code bits)
+ABI_VERSION = 3
 _P, _I = c_void_p, c_int64
 
 
@@ -45,7 +45,10 @@ _SIGNATURES = {
     "tm_packed_numel": (_I, [c_int, _I, _I]),
     "tm_pack_weight": (None, [c_int, _P, _I, _I, _P]),
     "tm_linear_fwd": (None, [c_int, _P, _I, POINTER(Linear), c_int, _P]),
-    "tm_dequantize": (None, [c_int, _P, _I, _I, _P]),
+    "tm_quant_fast": (c_int, []),
+    "tm_qpacked_bytes": (_I, [c_int, _I, _I]),
+    "tm_qpack": (None, [c_int, _P, _P, _P, _I, _I, _P]),
+    "tm_qdequantize": (None, [c_int, _P, _I, _I, _P, _I, _P]),
     "tm_rms_norm": (None, [c_int, _P, _P, _P, _P, _I, _I, c_float]),
     "tm_rope": (None, [c_int, _P, _I, _I, _I, _P, _I, _P]),
     "tm_silu_mul": (None, [c_int, _P, _P, _I, _I]),
@@ -68,29 +71,30 @@ def _check(ok: bool, what: str) -> None:
 
 
 class PackedLinear:
-    """A weight in the library's panel layout (or GGUF blocks of `quant`, a QUANT_TYPES name)
-    plus its float32 bias, as the C struct reads it; holds the tensors the struct points to."""
+    """A weight in the library's panel layout (or block-quantized with `bits` 4 / 8, see
+    tm_qpack) plus its float32 bias, as the C struct reads it; holds the tensors the struct
+    points to."""
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
-                 quant: str | None = None):
-        self.packed, self.bias, self.n, self.k, self.quant = packed, bias, n, k, quant
-        qid = QUANT_TYPES[quant][0] if quant else 0
-        self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k, qid)
+                 bits: int = 0):
+        self.packed, self.bias, self.n, self.k, self.bits = packed, bias, n, k, bits
+        self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k, bits)
 
 
 class KernelLib:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._lib = ctypes.CDLL(str(path))
+        abi = self._lib.tm_abi_version()  # first: an older library lacks newer entry points
+        if abi != ABI_VERSION:
+            raise ValueError(f"{path} has kernel ABI {abi}, expected {ABI_VERSION}")
         for name, (restype, argtypes) in _SIGNATURES.items():
             fn = getattr(self._lib, name)
             fn.restype, fn.argtypes = restype, argtypes
-        if self._lib.tm_abi_version() != ABI_VERSION:
-            raise ValueError(f"{path} has kernel ABI {self._lib.tm_abi_version()}, "
-                             f"expected {ABI_VERSION}")
         self.isa = self._lib.tm_isa().decode()
         self.source_hash = self._lib.tm_source_hash().decode()
         self.panel_rows = self._lib.tm_panel_rows()
+        self.quant_fast = bool(self._lib.tm_quant_fast())
         self._threads = 0
 
     def __repr__(self) -> str:
@@ -115,26 +119,38 @@ class KernelLib:
         b = None if bias is None else bias.detach().float().contiguous()
         return PackedLinear(packed, b, n, k)
 
-    def quantized(self, blocks: torch.Tensor, quant: str, n: int, k: int,
-                  bias: torch.Tensor | None = None) -> PackedLinear:
-        """(n, k) GGUF blocks of `quant` (uint8, row after row) as the kernels read them."""
-        qid, size = QUANT_TYPES[quant]
-        _check(k % 32 == 0 and blocks.dtype == torch.uint8 and blocks.numel() == n * k // 32 * size,
-               f"quantized: {quant} blocks of a ({n}, {k}) weight")
-        b = None if bias is None else bias.detach().float().contiguous()
-        return PackedLinear(blocks.contiguous(), b, n, k, quant)
-
-    def dequantize(self, w: PackedLinear) -> torch.Tensor:
-        out = torch.empty(w.n, w.k, dtype=torch.float32, device=w.packed.device)
+    def qpack(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
+              bias: torch.Tensor | None = None) -> PackedLinear:
+        """Block-quantized (n, k) weight w = d * codes + m: codes (n, k) uint8 below 2**bits,
+        d and m (n, k / 32) float16, repacked for the kernels."""
+        n, k = codes.shape
+        _check(bits in QUANT_BITS and k % 32 == 0 and codes.dtype == torch.uint8
+               and d.dtype == m.dtype == torch.float16 and d.shape == m.shape == (n, k // 32),
+               f"qpack: ({n}, {k}) {bits}-bit codes with (n, k / 32) float16 scales")
+        packed = torch.empty(self._lib.tm_qpacked_bytes(bits, n, k), dtype=torch.uint8)
+        codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
         self._sync_threads()
-        self._lib.tm_dequantize(QUANT_TYPES[w.quant][0], w.packed.data_ptr(), w.n, w.k,
-                                out.data_ptr())
+        self._lib.tm_qpack(bits, codes.data_ptr(), d.data_ptr(), m.data_ptr(), n, k,
+                           packed.data_ptr())
+        b = None if bias is None else bias.detach().float().contiguous()
+        return PackedLinear(packed, b, n, k, bits)
+
+    def qdequantize(self, w: PackedLinear, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """A quantized weight's rows (all, or those indexed by `rows`) in float32."""
+        idx = None if rows is None else rows.to(torch.int64).contiguous()
+        _check(w.bits in QUANT_BITS and (idx is None or bool(((idx >= 0) & (idx < w.n)).all())),
+               "qdequantize: a quantized weight and row indices in range")
+        count = w.n if idx is None else idx.numel()
+        out = torch.empty(count, w.k, dtype=torch.float32)
+        self._sync_threads()
+        self._lib.tm_qdequantize(w.bits, w.packed.data_ptr(), w.n, w.k, _ptr(idx), count,
+                                 out.data_ptr())
         return out
 
     def linear(self, x: torch.Tensor, w: PackedLinear, out_fp32: bool = False) -> torch.Tensor:
         """x (m, k) @ w.T + bias, in x's dtype (float32 with out_fp32: from the accumulators)."""
         _check(x.dim() == 2 and x.shape[1] == w.k and x.dtype in DTYPES
-               and (w.quant or x.dtype == w.packed.dtype),
+               and (w.bits or x.dtype == w.packed.dtype),
                f"linear: x {tuple(x.shape)} {x.dtype} vs weight ({w.n}, {w.k}) {w.packed.dtype}")
         x = x.contiguous()
         out = torch.empty(x.shape[0], w.n, dtype=torch.float32 if out_fp32 else x.dtype,

@@ -1,6 +1,11 @@
 """Linear layer whose output may be several projections fused side by side (q|k|v, gate|up):
 one matmul reads the input once. `sizes` records each part's width for split(). Also the
-embedding table, built like the other layers: uninitialized, for the checkpoint to fill."""
+embedding table, built like the other layers: uninitialized, for the checkpoint to fill.
+
+Either may hold a quantized weight (tokenmill/quantization): its parameter then keeps only its
+shape (no storage) and `weight.quant` holds what the op implementation executes (the kernels'
+repacked codes); a tied LM head shares it with the embedding through the shared parameter.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,22 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ops
+from tokenmill.quantization import BlockQuant
+
+
+def set_quantized(module: nn.Module, bq: BlockQuant) -> None:
+    """Give module.weight the quantized form `bq` (packed by the module's op implementation)."""
+    weight = module.weight
+    if tuple(weight.shape) != bq.shape:
+        raise ValueError(f"quantized weight of shape {bq.shape} for a {tuple(weight.shape)} "
+                         f"parameter")
+    weight.quant = module.ops.pack_quantized(bq)
+    weight.data = torch.empty(1, dtype=weight.dtype, device=weight.device).expand(weight.shape)
+
+
+def quant_of(weight: torch.Tensor):
+    """The packed quantized form of a parameter, or None for a float one."""
+    return getattr(weight, "quant", None)
 
 
 class Linear(nn.Module):
@@ -17,12 +38,43 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(sizes), in_features))
         self.bias = nn.Parameter(torch.empty(sum(sizes))) if bias else None
         self.ops = ops.current()
+        self.quantize_on_load: str | None = None  # an rtn.METHODS name: quantize float weights
+        self._shards: dict = {}  # checkpoint parts received while a quantized weight assembles
         self._prepared: tuple[tuple, object] | None = None
 
     def shard(self, index: int) -> slice:
         """Output rows of the index-th fused projection."""
         start = sum(self.sizes[:index])
         return slice(start, start + self.sizes[index])
+
+    def takes_quantized(self, tensor) -> bool:
+        """Whether load_shard must take this checkpoint part (rather than a plain copy)."""
+        return isinstance(tensor, BlockQuant) or bool(self._shards) or (
+            self.quantize_on_load is not None)
+
+    def load_shard(self, index: int | None, tensor) -> None:
+        """One fused part (index; None when unfused) of the weight, float or BlockQuant. Once
+        every part is in: quantized when all parts are (or quantize_on_load is set), else the
+        quantized parts are dequantized into the float weight."""
+        from tokenmill.quantization.rtn import quantize
+
+        rows = self.sizes[index] if index is not None else self.weight.shape[0]
+        if tuple(tensor.shape) != (rows, self.weight.shape[1]):
+            raise ValueError(f"checkpoint part {index} of a {tuple(self.weight.shape)} linear "
+                             f"has shape {tuple(tensor.shape)}, expected "
+                             f"{(rows, self.weight.shape[1])}")
+        if self.quantize_on_load and not isinstance(tensor, BlockQuant):
+            tensor = quantize(tensor, self.quantize_on_load)
+        self._shards[index] = tensor
+        if len(self._shards) < max(len(self.sizes), 1) and index is not None:
+            return
+        parts = [self._shards[i] for i in sorted(self._shards, key=lambda i: i or 0)]
+        self._shards = {}
+        if all(isinstance(p, BlockQuant) for p in parts):
+            return set_quantized(self, BlockQuant.cat(parts))
+        with torch.no_grad():
+            self.weight.copy_(torch.cat([p.dequantize() if isinstance(p, BlockQuant) else p
+                                         for p in parts]))
 
     def prepared(self):
         """What the op implementation precomputes from the weight (the C++ GEMM's packed
@@ -37,7 +89,28 @@ class Linear(nn.Module):
         return self.ops.linear(x, self, out_fp32)
 
 
-def embedding(num: int, dim: int) -> nn.Embedding:
+class Embedding(nn.Embedding):
     """nn.Embedding without its random init (the checkpoint overwrites it; under the meta
-    device the init also imported ~1 s of PyTorch's reference decompositions at start)."""
-    return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    device the init also imported ~1 s of PyTorch's reference decompositions at start), whose
+    table may be quantized (rows dequantized on lookup)."""
+
+    def __init__(self, num: int, dim: int) -> None:
+        super().__init__(num, dim, _weight=torch.empty(num, dim))
+        self.ops = ops.current()
+
+    def takes_quantized(self, tensor) -> bool:
+        return isinstance(tensor, BlockQuant)
+
+    def load_shard(self, index: int | None, tensor: BlockQuant) -> None:
+        set_quantized(self, tensor)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        q = quant_of(self.weight)
+        if q is None:
+            return super().forward(ids)
+        rows = self.ops.quantized_rows(q, ids.reshape(-1))
+        return rows.to(self.weight.dtype).reshape(*ids.shape, -1)
+
+
+def embedding(num: int, dim: int) -> Embedding:
+    return Embedding(num, dim)

@@ -70,12 +70,30 @@ class TorchOps:
         """What this implementation precomputes for a weight (packed panels); None here."""
         return None
 
+    # quantized weights (tokenmill/quantization): the reference keeps the BlockQuant and
+    # dequantizes it for every use
+    quantized_kernels = False  # whether quantized weights run faster than dequantized ones
+
+    def pack_quantized(self, bq):
+        return bq
+
+    def dequantize(self, q, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """A packed quantized weight (or some of its rows) in float32."""
+        return (q if rows is None else q.rows(rows)).dequantize()
+
+    def quantized_rows(self, q, ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantize(q, ids)
+
     def linear(self, x: torch.Tensor, layer, out_fp32: bool = False) -> torch.Tensor:
         """x @ layer.weight.T + layer.bias, in x's dtype, or in float32 with out_fp32."""
+        weight = layer.weight
+        q = getattr(weight, "quant", None)
+        if q is not None:
+            weight = self.dequantize(q).to(x.device, x.dtype)
         if out_fp32 and x.dtype != torch.float32:
             bias = None if layer.bias is None else layer.bias.float()
-            return F.linear(x.float(), layer.weight.float(), bias)
-        return F.linear(x, layer.weight, layer.bias)
+            return F.linear(x.float(), weight.float(), bias)
+        return F.linear(x, weight, layer.bias)
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, window, scale):
         """Paged attention read in place; None when this implementation has none (the caller
@@ -137,16 +155,34 @@ class KernelOps(TorchOps):
         return self.lib.silu_mul(x) if self.fits(x) else super().silu_mul(x)
 
     def prepare_linear(self, weight, bias):
+        from tokenmill.kernels.gemm_plan import NEVER, PreparedLinear
+        from tokenmill.kernels.lib import PackedLinear
+
+        q = getattr(weight, "quant", None)
+        if q is not None:  # the codes as packed at load, with this bias
+            b = None if bias is None else bias.detach().float().contiguous()
+            return PreparedLinear(PackedLinear(q.packed, b, q.n, q.k, q.bits), NEVER, None)
         if weight.device.type != "cpu" or weight.dtype not in KERNEL_DTYPES or weight.dim() != 2:
             return None
         return self.planner.prepare(weight, bias)
 
+    @property
+    def quantized_kernels(self) -> bool:
+        return self.lib.quant_fast
+
+    def pack_quantized(self, bq):
+        return self.lib.qpack(bq.codes, bq.d, bq.m, bq.bits)
+
+    def dequantize(self, q, rows=None):
+        return self.lib.qdequantize(q, rows)
+
     def linear(self, x, layer, out_fp32=False):
         """The packed-weight GEMM, or PyTorch's (oneDNN / MKL) from the row count where the
         GEMM planner measured it faster; logits (out_fp32) always come from the packed GEMM's
-        float32 accumulators."""
+        float32 accumulators. Quantized weights: the kernels' integer GEMM."""
         prepared = layer.prepared() if self.fits(x) and x.dim() == 2 else None
-        if prepared is None or x.dtype != layer.weight.dtype or (
+        quantized = prepared is not None and prepared.packed.bits
+        if prepared is None or (x.dtype != layer.weight.dtype and not quantized) or (
                 not out_fp32 and x.shape[0] >= prepared.torch_from_rows):
             return super().linear(x, layer, out_fp32)
         return self.lib.linear(x, prepared.packed, out_fp32)

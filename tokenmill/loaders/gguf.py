@@ -1,10 +1,14 @@
 """GGUF model files (llama.cpp's format) for the `llama` and `qwen2` architectures.
 
-Hyperparameters come from the `{arch}.*` metadata; tensors are renamed to Hugging Face names and
-dequantized at load to the engine dtype (quantized execution is future work). dtype="auto" means
-bfloat16 for quantized/16-bit files (on CPU when tokenmill's kernels are available, else
-float32; see loaders.resolve_dtype) and float32 for F32 files; dtype="float32" keeps the
-dequantized values exact, which the tests use to match llama.cpp/transformers closely.
+Hyperparameters come from the `{arch}.*` metadata; tensors are renamed to Hugging Face names.
+With dtype="auto", where the CPU kernels run quantized weights fast (ops.quantized_kernels),
+the weight matrices stay quantized (quantization/gguf_blocks.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q4_K, Q5_K; other types, and any fused projection with one of them, are dequantized) and the
+activations run in bfloat16. Otherwise every tensor is dequantized at load to the engine dtype:
+dtype="auto" then means bfloat16 for quantized/16-bit files (on CPU when tokenmill's kernels
+are available, else float32; see loaders.resolve_dtype) and float32 for F32 files;
+dtype="float32" keeps the dequantized values exact, which the tests use to match
+llama.cpp/transformers closely.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from tokenmill.loaders import build_model, resolve_dtype
 from tokenmill.loaders.gguf_file import GGUFFile, field_value, open_gguf
 from tokenmill.loaders.permute import unpermute_rope_rows
 from tokenmill.models.config import ModelConfig
+from tokenmill.quantization import BlockQuant
+from tokenmill.quantization.gguf_blocks import NATIVE_TYPES, to_block_quant
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -144,23 +150,41 @@ def dequantize_tensor(data: np.ndarray, qtype: int, name: str) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-def gguf_weights(reader: GGUFFile, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def gguf_weights(reader: GGUFFile, cfg: ModelConfig,
+                 keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | BlockQuant]]:
+    """(Hugging Face name, float32 tensor), or BlockQuant for weight matrices of a native type
+    with keep_quantized."""
     permute = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
         name = hf_name(t.name)
-        tensor = dequantize_tensor(t.data, t.tensor_type, t.name)
+        if keep_quantized and len(t.shape) == 2 and t.tensor_type in NATIVE_TYPES:
+            tensor = to_block_quant(t.data, t.tensor_type, int(t.shape[1]), int(t.shape[0]))
+        else:
+            tensor = dequantize_tensor(t.data, t.tensor_type, t.name)
         if permute and ".q_proj." in name:
-            tensor = unpermute_rope_rows(tensor, cfg.num_attention_heads)
+            tensor = _unpermute(tensor, cfg.num_attention_heads)
         elif permute and ".k_proj." in name:
-            tensor = unpermute_rope_rows(tensor, cfg.num_key_value_heads)
+            tensor = _unpermute(tensor, cfg.num_key_value_heads)
         yield name, tensor
+
+
+def _unpermute(tensor, heads: int):
+    if isinstance(tensor, BlockQuant):
+        return BlockQuant(*(unpermute_rope_rows(t, heads) for t in (tensor.codes, tensor.d,
+                                                                    tensor.m)), tensor.bits)
+    return unpermute_rope_rows(tensor, heads)
 
 
 def load_gguf(path: str, dtype: str, device: torch.device,
               max_positions: int | None) -> tuple[nn.Module, ModelConfig, torch.dtype]:
+    from tokenmill.layers import ops
+
     reader = open_gguf(path)
     cfg = gguf_config(reader)
-    torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
+    keep = (dtype == "auto" and device.type == "cpu" and ops.current().quantized_kernels
+            and cfg.torch_dtype != "float32")
+    torch_dtype = torch.bfloat16 if keep else resolve_dtype(dtype, cfg.torch_dtype, device)
     model = build_model(cfg, torch_dtype, device, max_positions or cfg.max_position_embeddings)
-    model.load_weights(gguf_weights(reader, cfg))
+    model.load_weights(gguf_weights(reader, cfg, keep))
+    reader.drop_pages()
     return model, cfg, torch_dtype

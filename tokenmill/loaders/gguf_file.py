@@ -11,6 +11,7 @@ file opened is kept.
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -46,6 +47,14 @@ class GGUFFile:
     path: str
     fields: dict[str, Any]  # plain Python values; arrays as lists
     tensors: list[GGUFTensor]
+    mapping: mmap.mmap | None = None  # what the tensors' data views read
+
+    def drop_pages(self) -> None:
+        """Let the kernel take back the file pages read so far (after the weights are copied
+        out: they count in the process's resident memory until then); later reads fault them
+        in again."""
+        if self.mapping is not None:
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
 
 class _Cursor:
@@ -93,7 +102,11 @@ class _Cursor:
 
 def read_gguf(path: str) -> GGUFFile:
     size = os.path.getsize(path)
-    mm = np.memmap(path, dtype=np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+    mapping = None
+    if size:
+        with open(path, "rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    mm = np.frombuffer(mapping, np.uint8) if mapping is not None else np.zeros(0, np.uint8)
     cur = _Cursor(memoryview(mm), size)
     cur.need(4, "the magic number")
     if bytes(cur.buf[:4]) != b"GGUF":
@@ -120,7 +133,7 @@ def read_gguf(path: str) -> GGUFFile:
     if not isinstance(align, int) or align <= 0:
         raise ValueError(f"corrupt: general.alignment is {align!r}")
     start = -(-cur.pos // align) * align
-    return GGUFFile(path, fields, [_tensor(mm, size, start, *info) for info in infos])
+    return GGUFFile(path, fields, [_tensor(mm, size, start, *info) for info in infos], mapping)
 
 
 def _tensor(mm, size: int, start: int, name: str, shape, qtype: int, offset: int) -> GGUFTensor:

@@ -22,6 +22,11 @@ def load_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         target, shard = _packed_target(name, packed or {})
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
+        owner = _owner(model, target)
+        if getattr(owner, "takes_quantized", lambda t: False)(tensor):
+            owner.load_shard(shard, tensor)  # quantized, or assembled in the layer first
+            pending[target].discard(shard)
+            continue
         dest = params[target]
         if shard is not None:
             dest = dest[_owner(model, target).shard(shard)]

@@ -16,7 +16,7 @@ void pack_rows(int dtype, int64_t n, int64_t k, void* out, const RowFn& row);
 void packed_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
                    void* out);
 
-// quant.cpp: the GEMM on GGUF blocks (tm_linear_fwd with quantization)
+// quant.cpp: the GEMM on block-quantized weights (tm_linear_fwd with quantization)
 void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
                   void* out);
 

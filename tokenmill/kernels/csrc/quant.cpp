@@ -1,166 +1,271 @@
-// tokenmill CPU kernels: linear layers on GGUF block-quantized weights, read in their file
-// layout (blocks of 32 weights, row after row; no repacking, so they take the file's bytes).
+// tokenmill CPU kernels: linear layers on block-quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 and
+// whatever else reduces to the same form), run on their quantized bits.
 //
-//   Q4_0  18 bytes: fp16 d, 16 bytes of nibbles          w = d * (q - 8)
-//   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes of nibbles  w = d * q + m
-//   Q8_0  34 bytes: fp16 d, 32 signed bytes              w = d * q
-// Nibble j of a block is the low half of byte j (j < 16), weight 16 + j its high half.
+// The form: weight w[o][k] = d * c + m with an unsigned code c of 4 or 8 bits and one float16
+// (d, m) per output row and block of 32 k (Q4_0: m = -8 d; Q8_0: c = q + 128, m = -128 d).
+// Repacked at load (tm_qpack) into groups of 16 output rows, so that one 64-byte vector holds
+// 4 consecutive k of 16 outputs; per (group, block): 16 d, 16 m (float16), then the codes:
+//   4 bits  4 chunks of 64 bytes; byte 4 o + t of chunk j: code k = 4 j + t (low nibble) and
+//           k = 16 + 4 j + t (high nibble) of output o
+//   8 bits  8 chunks of 64 bytes; byte 4 o + t of chunk j: code k = 4 j + t
 //
-// A few input rows (decode): each output row reads its blocks once and dequantizes them in
-// registers; per block sum_k x[k] * q[k] is one vector FMA chain, scaled by d, and the minimum's
-// (or Q4_0's -8 d) share is m * sum_k x[k], from per-block sums of x computed once. Decode is
-// then bound by the quantized bytes, not by bf16 weights. Many rows (prefill): the blocks are
-// dequantized once into the packed panels of the float GEMM, which then runs as for bf16.
+// The product uses integer dot products, as llama.cpp's CPU kernels do: each input row is
+// quantized per block of 32 to int8 (scale dx = max |x| / 127, rounded to nearest), then per
+// block and output sum_k c * q is exact in int32 (VPDPBUSD: unsigned codes x signed int8,
+// 4 products per lane) and y += d dx sum(c q) + m dx sum(q). 16 outputs per vector, so no
+// horizontal sums; the codes of a group are read once for up to 8 input rows.
 #include "internal.h"
 #include "tm.h"
 #include "vec.h"
 
 namespace tm {
 
-constexpr int64_t kBlock = 32;
-constexpr int kQuantRows = kLanes == 16 ? 8 : 4;  // input rows per pass over the weights
-constexpr int64_t kGemvMaxRows = 16;  // above this, dequantize to panels and run the GEMM
+constexpr int64_t kBlock = 32, kGroup = 16, kRowTile = 8, kRowChunk = 64;
 
-inline int64_t block_bytes(int quant) {
-  return quant == TM_Q4_0 ? 18 : quant == TM_Q4_1 ? 20 : 34;
+inline int64_t group_bytes(int bits) { return 64 + (bits == 4 ? 256 : 512); }  // per block
+
+inline int code_at(const uint8_t* codes, int bits, int64_t o, int64_t k) {
+  if (bits == 8) return codes[64 * (k / 4) + 4 * o + k % 4];
+  int64_t kk = k % 16;
+  uint8_t b = codes[64 * (kk / 4) + 4 * o + kk % 4];
+  return k < 16 ? b & 0xF : b >> 4;
 }
 
-inline uint16_t half_at(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return h;
-}
-
-// one block -> 32 floats: the dequantization (the same values as the gguf package's)
-inline void dequantize_block(int quant, const uint8_t* b, float* out) {
-  constexpr int kVecs = kBlock / kLanes;
-  vec d = vset1(vhalf(half_at(b)));
-  if (quant == TM_Q8_0) {
-    for (int v = 0; v < kVecs; ++v)
-      vstore(out + v * kLanes, vmul(d, vload_i8(reinterpret_cast<const int8_t*>(b + 2) + v * kLanes)));
-    return;
+// 32 values -> int8 codes q = round(x / dx), dx = max |x| / 127 (round to nearest even; the
+// activations llama.cpp's CPU kernels use too); returns sum(q). (Two int8 digits per value,
+// tried for precision, made batches of 16 rows 2x slower: docs/performance.md.)
+template <typename T>
+inline int quantize_block(const T* x, int8_t* q, float* d) {
+#if defined(__AVX512F__)
+  vec lo = vload(x), hi = vload(x + 16);
+  float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+  __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));
+  __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
+  *d = amax / 127.f;
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
+  float amax = 0.f;
+  for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(to_f(x[j])));
+  float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int j = 0; j < kBlock; ++j) {
+    q[j] = static_cast<int8_t>(std::nearbyint(to_f(x[j]) * inv));
+    sum += q[j];
   }
-  const uint8_t* q = b + (quant == TM_Q4_1 ? 4 : 2);
-  vec m = vset1(quant == TM_Q4_1 ? vhalf(half_at(b + 2)) : 0.f), eight = vset1(8.f);
-  for (int v = 0; v < kVecs / 2; ++v) {
-    vec lo = vload_lo4(q + v * kLanes), hi = vload_hi4(q + v * kLanes);
-    if (quant == TM_Q4_0) {
-      lo = vsub(lo, eight);
-      hi = vsub(hi, eight);
-    }
-    vstore(out + v * kLanes, vadd(vmul(d, lo), m));
-    vstore(out + (kVecs / 2 + v) * kLanes, vadd(vmul(d, hi), m));
-  }
+  *d = amax / 127.f;
+  return sum;
+#endif
 }
 
-// y[i][r] = x[i] . w[r] (+ bias) for MR input rows (float32, ld K) and output rows [r0, r1);
-// xs[i][b] = sum of x[i] over block b.
-template <int MR, int Q, typename O>
-void gemv_rows(const float* x, const float* xs, const uint8_t* w, int64_t K, int64_t r0,
-               int64_t r1, const float* bias, O* out, int64_t N) {
-  constexpr int64_t kBytes = Q == TM_Q4_0 ? 18 : Q == TM_Q4_1 ? 20 : 34;
-  constexpr int kVecs = kBlock / kLanes;
-  const int64_t blocks = K / kBlock;
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = w + r * blocks * kBytes;
-    vec acc[MR];
-    float offs[MR] = {};
-    for (int i = 0; i < MR; ++i) acc[i] = vzero();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* blk = row + b * kBytes;
-      prefetch_l1(blk + 1024);
-      vec q[kVecs];
-      if constexpr (Q == TM_Q8_0) {
-        for (int v = 0; v < kVecs; ++v) q[v] = vload_i8(reinterpret_cast<const int8_t*>(blk + 2) + v * kLanes);
-      } else {
-        const uint8_t* nib = blk + (Q == TM_Q4_1 ? 4 : 2);
-        for (int v = 0; v < kVecs / 2; ++v) {
-          q[v] = vload_lo4(nib + v * kLanes);
-          q[kVecs / 2 + v] = vload_hi4(nib + v * kLanes);
-        }
-      }
-      float d = vhalf(half_at(blk));
-      float off = Q == TM_Q4_1 ? vhalf(half_at(blk + 2)) : Q == TM_Q4_0 ? -8.f * d : 0.f;
-      for (int i = 0; i < MR; ++i) {
-        const float* xb = x + i * K + b * kBlock;
-        vec p = vmul(vload(xb), q[0]);
-        for (int v = 1; v < kVecs; ++v) p = vfma(vload(xb + v * kLanes), q[v], p);
-        acc[i] = vfma(p, vset1(d), acc[i]);
-        if (Q != TM_Q8_0) offs[i] += off * xs[i * blocks + b];
-      }
-    }
-    for (int i = 0; i < MR; ++i)
-      out[i * N + r] = from_f<O>(vsum(acc[i]) + offs[i] + (bias ? bias[r] : 0.f));
-  }
-}
-
-template <int Q, typename O>
-void gemv(const float* x, const float* xs, int64_t m, const tm_linear* w, O* out) {
-  const auto* wq = static_cast<const uint8_t*>(w->packed);
-  const int64_t N = w->n, K = w->k;
-  parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t i = 0; i < m; i += kQuantRows) {
-      const float* xi = x + i * K;
-      const float* si = xs + i * (K / kBlock);
-      O* oi = out + i * N;
-      switch (std::min<int64_t>(kQuantRows, m - i)) {
-        case 1: gemv_rows<1, Q>(xi, si, wq, K, r0, r1, w->bias, oi, N); break;
-        case 2: gemv_rows<2, Q>(xi, si, wq, K, r0, r1, w->bias, oi, N); break;
-        case 3: gemv_rows<3, Q>(xi, si, wq, K, r0, r1, w->bias, oi, N); break;
-        case 4: gemv_rows<4, Q>(xi, si, wq, K, r0, r1, w->bias, oi, N); break;
-        case 5: gemv_rows<5, Q>(xi, si, wq, K, r0, r1, w->bias, oi, N); break;
-        case 6: gemv_rows<6, Q>(xi, si, wq, K, r0, r1, w->bias, oi, N); break;
-        case 7: gemv_rows<7, Q>(xi, si, wq, K, r0, r1, w->bias, oi, N); break;
-        default: gemv_rows<kQuantRows, Q>(xi, si, wq, K, r0, r1, w->bias, oi, N);
-      }
+// x (m, K) -> int8 codes, per-block scales dx and dx * sum(codes)
+template <typename T>
+void quantize_rows(const T* x, int64_t m, int64_t K, int8_t* xq, float* dx, float* sx) {
+  parallel_for(0, m * (K / kBlock), 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      int sum = quantize_block(x + b * kBlock, xq + b * kBlock, dx + b);
+      sx[b] = dx[b] * static_cast<float>(sum);
     }
   });
 }
 
-template <typename O>
-void gemv_typed(int dtype, const void* x, int64_t m, const tm_linear* w, O* out) {
-  const int64_t K = w->k, blocks = K / kBlock;
-  thread_local std::vector<float> xf, xs;  // x in float32, and its per-block sums
-  xf.resize(m * K), xs.resize(m * blocks);
-  for (int64_t i = 0; i < m * K; ++i)
-    xf[i] = dtype == TM_F32 ? static_cast<const float*>(x)[i] : to_f(static_cast<const bf16*>(x)[i]);
-  for (int64_t i = 0; i < m * blocks; ++i) {
-    float s = 0.f;
-    for (int64_t j = 0; j < kBlock; ++j) s += xf[i * kBlock + j];
-    xs[i] = s;
+// y[r][0..16) = the 16 outputs of group `w` for input rows r < R (rows ld K in xq)
+template <int BITS>
+void tile_portable(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+                   const uint8_t* w, float (*y)[kGroup]) {
+  const int64_t blocks = K / kBlock;
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < kGroup; ++o) y[r][o] = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * group_bytes(BITS);
+    const auto* h = reinterpret_cast<const uint16_t*>(blk);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xq + r * K + b * kBlock;
+      for (int o = 0; o < kGroup; ++o) {
+        int32_t s = 0;
+        for (int k = 0; k < kBlock; ++k) s += code_at(blk + 64, BITS, o, k) * xb[k];
+        y[r][o] += half_to_f(h[o]) * dx[r * blocks + b] * static_cast<float>(s) +
+                   half_to_f(h[kGroup + o]) * sx[r * blocks + b];
+      }
+    }
   }
-  if (w->quant == TM_Q4_0) return gemv<TM_Q4_0>(xf.data(), xs.data(), m, w, out);
-  if (w->quant == TM_Q4_1) return gemv<TM_Q4_1>(xf.data(), xs.data(), m, w, out);
-  gemv<TM_Q8_0>(xf.data(), xs.data(), m, w, out);
+}
+
+#if defined(__AVX512VNNI__)
+template <int R, int BITS>
+void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+               float (*y)[kGroup]) {
+  const int64_t blocks = K / kBlock;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * group_bytes(BITS);
+    const uint8_t* codes = blk + 64;
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    const int8_t* xb = xq + b * kBlock;
+    auto x4 = [&](int r, int k) {  // 4 int8 of row r at k, in every lane
+      int32_t v;
+      std::memcpy(&v, xb + r * K + k, 4);
+      return _mm512_set1_epi32(v);
+    };
+    if constexpr (BITS == 4) {
+      for (int j = 0; j < 4; ++j) {
+        __m512i v = _mm512_loadu_si512(codes + 64 * j);
+        __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        for (int r = 0; r < R; ++r) {
+          s[r] = _mm512_dpbusd_epi32(s[r], lo, x4(r, 4 * j));
+          s[r] = _mm512_dpbusd_epi32(s[r], hi, x4(r, 16 + 4 * j));
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        __m512i v = _mm512_loadu_si512(codes + 64 * j);
+        for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], v, x4(r, 4 * j));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + b]));
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], acc[r]);
+}
+
+template <int BITS>
+void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+          const uint8_t* w, float (*y)[kGroup]) {
+  switch (R) {
+    case 1: return tile_vnni<1, BITS>(xq, dx, sx, K, w, y);
+    case 2: return tile_vnni<2, BITS>(xq, dx, sx, K, w, y);
+    case 3: return tile_vnni<3, BITS>(xq, dx, sx, K, w, y);
+    case 4: return tile_vnni<4, BITS>(xq, dx, sx, K, w, y);
+    case 5: return tile_vnni<5, BITS>(xq, dx, sx, K, w, y);
+    case 6: return tile_vnni<6, BITS>(xq, dx, sx, K, w, y);
+    case 7: return tile_vnni<7, BITS>(xq, dx, sx, K, w, y);
+    default: return tile_vnni<8, BITS>(xq, dx, sx, K, w, y);
+  }
+}
+constexpr bool kFastQuant = true;
+#else
+template <int BITS>
+void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+          const uint8_t* w, float (*y)[kGroup]) {
+  tile_portable<BITS>(R, xq, dx, sx, K, w, y);
+}
+constexpr bool kFastQuant = false;
+#endif
+
+template <int BITS, typename O>
+void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const tm_linear* w,
+           O* out) {
+  const int64_t N = w->n, K = w->k, groups = (N + kGroup - 1) / kGroup;
+  const int64_t gstride = K / kBlock * group_bytes(BITS);
+  const auto* wq = static_cast<const uint8_t*>(w->packed);
+  parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
+    float y[kRowTile][kGroup];
+    for (int64_t i0 = 0; i0 < m; i0 += kRowChunk) {  // input rows stay in cache across groups
+      const int64_t i1 = std::min(m, i0 + kRowChunk);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n = std::min(kGroup, N - g * kGroup);
+        for (int64_t i = i0; i < i1; i += kRowTile) {
+          const int R = static_cast<int>(std::min(kRowTile, i1 - i));
+          const int64_t bi = i * (K / kBlock);
+          tile<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, y);
+          for (int r = 0; r < R; ++r) {
+            O* dst = out + (i + r) * N + g * kGroup;
+            for (int64_t o = 0; o < n; o += kLanes) {
+              vec v = vload(y[r] + o);
+              if (w->bias) v = vadd(v, vload_part(w->bias + g * kGroup + o, std::min<int64_t>(kLanes, n - o)));
+              if (n - o >= kLanes) vstore(dst + o, v);
+              else vstore_part(dst + o, v, n - o);
+            }
+          }
+        }
+      }
+    }
+  });
 }
 
 void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
                   void* out) {
-  if (m <= kGemvMaxRows) {
-    if (out_dtype == TM_F32) return gemv_typed(dtype, x, m, w, static_cast<float*>(out));
-    return gemv_typed(dtype, x, m, w, static_cast<bf16*>(out));
-  }
-  // prefill: dequantize every block once into the float GEMM's panels
-  const int64_t K = w->k, blocks = K / kBlock, bytes = block_bytes(w->quant);
-  const auto* wq = static_cast<const uint8_t*>(w->packed);
-  thread_local std::vector<char> panels;
-  panels.resize(tm_packed_numel(dtype, w->n, K) * (dtype == TM_F32 ? 4 : 2));
-  pack_rows(dtype, w->n, K, panels.data(), [&](int64_t r, float* buf) {
-    for (int64_t b = 0; b < blocks; ++b)
-      dequantize_block(w->quant, wq + (r * blocks + b) * bytes, buf + b * kBlock);
-  });
-  tm_linear packed{panels.data(), w->bias, w->n, K, 0};
-  packed_linear(dtype, x, m, &packed, out_dtype, out);
+  const int64_t K = w->k, blocks = m * (K / kBlock);
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> dx, sx;
+  xq.resize(m * K), dx.resize(blocks), sx.resize(blocks);
+  if (dtype == TM_F32)
+    quantize_rows(static_cast<const float*>(x), m, K, xq.data(), dx.data(), sx.data());
+  else
+    quantize_rows(static_cast<const bf16*>(x), m, K, xq.data(), dx.data(), sx.data());
+  auto run = [&](auto* o) {
+    if (w->quant == TM_QI4) qgemm<4>(xq.data(), dx.data(), sx.data(), m, w, o);
+    else qgemm<8>(xq.data(), dx.data(), sx.data(), m, w, o);
+  };
+  if (out_dtype == TM_F32) run(static_cast<float*>(out));
+  else run(static_cast<bf16*>(out));
 }
 
 }  // namespace tm
 
-extern "C" void tm_dequantize(int quant, const void* blocks, int64_t n, int64_t k, float* out) {
-  const auto* wq = static_cast<const uint8_t*>(blocks);
-  const int64_t per_row = k / tm::kBlock, bytes = tm::block_bytes(quant);
-  tm::parallel_for(0, n, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t b = 0; b < per_row; ++b)
-        tm::dequantize_block(quant, wq + (r * per_row + b) * bytes, out + r * k + b * tm::kBlock);
+extern "C" {
+
+int tm_quant_fast(void) { return tm::kFastQuant; }
+
+int64_t tm_qpacked_bytes(int bits, int64_t n, int64_t k) {
+  return (n + tm::kGroup - 1) / tm::kGroup * (k / tm::kBlock) * tm::group_bytes(bits);
+}
+
+void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const uint16_t* m, int64_t n,
+              int64_t k, uint8_t* out) {
+  using namespace tm;
+  const int64_t blocks = k / kBlock, groups = (n + kGroup - 1) / kGroup;
+  parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < blocks; ++b) {
+        uint8_t* blk = out + (g * blocks + b) * group_bytes(bits);
+        std::memset(blk, 0, group_bytes(bits));
+        auto* h = reinterpret_cast<uint16_t*>(blk);
+        for (int64_t o = 0; o < kGroup && g * kGroup + o < n; ++o) {
+          const int64_t row = g * kGroup + o;
+          h[o] = d[row * blocks + b];
+          h[kGroup + o] = m[row * blocks + b];
+          const uint8_t* c = codes + row * k + b * kBlock;
+          for (int64_t kk = 0; kk < kBlock; ++kk) {
+            if (bits == 8) {
+              blk[64 + 64 * (kk / 4) + 4 * o + kk % 4] = c[kk];
+            } else {
+              int64_t j = kk % 16;
+              blk[64 + 64 * (j / 4) + 4 * o + j % 4] |= (c[kk] & 0xF) << (kk < 16 ? 0 : 4);
+            }
+          }
+        }
+      }
   });
 }
+
+void tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k, const int64_t* rows,
+                    int64_t count, float* out) {
+  using namespace tm;
+  const int64_t blocks = k / kBlock;
+  parallel_for(0, count, 16, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t row = rows ? rows[i] : i, g = row / kGroup, o = row % kGroup;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* blk = packed + (g * blocks + b) * group_bytes(bits);
+        const auto* h = reinterpret_cast<const uint16_t*>(blk);
+        float d = half_to_f(h[o]), mn = half_to_f(h[kGroup + o]);
+        for (int64_t kk = 0; kk < kBlock; ++kk)
+          out[i * k + b * kBlock + kk] = d * static_cast<float>(code_at(blk + 64, bits, o, kk)) + mn;
+      }
+    }
+  });
+  (void)n;
+}
+
+}  // extern "C"

@@ -16,12 +16,12 @@ extern "C" {
 #define TM_API __attribute__((visibility("default")))
 
 enum { TM_F32 = 0, TM_BF16 = 1 };
-/* GGUF block formats read natively (llama.cpp's ggml type ids), blocks of 32 weights */
-enum { TM_Q4_0 = 2, TM_Q4_1 = 3, TM_Q8_0 = 8 };
-#define TM_ABI_VERSION 2
+/* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4 or 8 bits */
+enum { TM_QI4 = 4, TM_QI8 = 8 };
+#define TM_ABI_VERSION 3
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
- * the model's dtype); else the GGUF blocks of that type, row after row, k / 32 blocks a row. */
+ * the model's dtype); with TM_QI4 / TM_QI8, repacked by tm_qpack. */
 typedef struct {
   const void* packed;
   const float* bias; /* (n,) float32 or NULL */
@@ -59,10 +59,18 @@ TM_API void tm_set_num_threads(int threads);
 TM_API int64_t tm_panel_rows(void);
 TM_API int64_t tm_packed_numel(int dtype, int64_t n, int64_t k);
 TM_API void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out);
-/* (n, k) GGUF blocks of `quant` -> float32 (the reference dequantization) */
-TM_API void tm_dequantize(int quant, const void* blocks, int64_t n, int64_t k, float* out);
+/* Block-quantized weights: codes (n, k) uint8 and float16 d, m (n, k / 32), w = d * code + m,
+ * repacked for the kernels (bits 4 or 8; k a multiple of 32); tm_qdequantize gives `count`
+ * rows (rows[i], or row i when rows is NULL) back in float32. tm_quant_fast: 1 when this build
+ * has the integer dot-product kernel (else a portable loop runs). */
+TM_API int tm_quant_fast(void);
+TM_API int64_t tm_qpacked_bytes(int bits, int64_t n, int64_t k);
+TM_API void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
+                     int64_t n, int64_t k, uint8_t* out);
+TM_API void tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k,
+                           const int64_t* rows, int64_t count, float* out);
 /* out (m, n) in out_dtype = x (m, k) @ w.T + bias; x in the packed weight's dtype, or float32 /
- * bfloat16 for quantized weights */
+ * bfloat16 for quantized weights (quantized per 32 to int8 inside) */
 TM_API void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w,
                           int out_dtype, void* out);
 

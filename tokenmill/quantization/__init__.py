@@ -1,0 +1,88 @@
+"""Quantized weights: one form the kernels execute, and the methods that produce it.
+
+Every weight-quantization method reduces to BlockQuant: w = d * code + m per output row and
+block of 32 input columns, with unsigned codes of 4 or 8 bits and float16 d, m (vLLM has one
+LinearMethod per format; here each format only has to say how its bytes map to this form, and
+one kernel runs them all: kernels/csrc/quant.cpp). The methods:
+
+- GGUF blocks (gguf_blocks.py), kept from the file: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 exactly,
+  Q4_K and Q5_K with their sub-block scales rounded to float16;
+- on the fly from float weights (rtn.py): "int8" (per output channel, symmetric) and "int4"
+  (groups of 32 or 128, asymmetric), round to nearest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BLOCK = 32
+
+
+@dataclass
+class BlockQuant:
+    """An (n, k) weight as codes (n, k) uint8 < 2**bits and float16 d, m (n, k / 32)."""
+
+    codes: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+    bits: int
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        if (self.bits not in (4, 8) or k % BLOCK or self.codes.dtype != torch.uint8
+                or self.d.dtype != torch.float16 or self.m.dtype != torch.float16
+                or self.d.shape != (n, k // BLOCK) or self.m.shape != self.d.shape):
+            raise ValueError(f"quantized weight of shape {(n, k)}: codes {self.codes.dtype}, "
+                             f"scales {tuple(self.d.shape)} {self.d.dtype}, {self.bits} bits "
+                             f"do not match (want k a multiple of {BLOCK}, float16 scales "
+                             f"of shape {(n, k // BLOCK)}, 4 or 8 bits)")
+        if not (torch.isfinite(self.d).all() and torch.isfinite(self.m).all()):
+            raise ValueError("quantized weight has scales that overflow float16")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight (the reference the kernels are tested against)."""
+        n, k = self.codes.shape
+        c = self.codes.reshape(n, k // BLOCK, BLOCK).float()
+        return (c * self.d.float()[..., None] + self.m.float()[..., None]).reshape(n, k)
+
+    def rows(self, index) -> BlockQuant:
+        """Some output rows (a slice, or an index tensor)."""
+        return BlockQuant(self.codes[index], self.d[index], self.m[index], self.bits)
+
+    @staticmethod
+    def cat(parts: list[BlockQuant]) -> BlockQuant:
+        """Stacked along the output rows (fused q|k|v, gate|up); 4-bit codes widen to 8 bits
+        when the parts differ."""
+        return BlockQuant(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
+                          torch.cat([p.m for p in parts]), max(p.bits for p in parts))
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the kernels do to a linear layer's input: per row and block of 32, int8 codes
+    round(x * 127 / max|x|) (to nearest even) and the scale max|x| / 127, in float32."""
+    rows, k = x.shape
+    xb = x.float().reshape(rows, k // BLOCK, BLOCK)
+    amax = xb.abs().amax(-1, keepdim=True)
+    # a true division (PyTorch's `127 / t` multiplies by a reciprocal: not the same rounding)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return torch.round(xb * inv).reshape(rows, k), (amax / 127)[..., 0]
+
+
+def linear_ref(x: torch.Tensor, bq: BlockQuant, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernels' arithmetic in PyTorch (float64): int8 activations against the codes, per
+    block y += d * dx * sum(code * q) + m * dx * sum(q). Differs from dequantize-then-matmul by
+    the activations' rounding (~0.5 % of the output's scale on random data)."""
+    q, dx = quantize_activations(x)
+    n, k = bq.shape
+    qb = q.double().reshape(-1, k // BLOCK, BLOCK)  # (rows, blocks, 32)
+    cb = bq.codes.double().reshape(n, k // BLOCK, BLOCK)  # (n, blocks, 32)
+    dots = torch.einsum("rbj,nbj->rnb", qb, cb)
+    y = (dots * bq.d.double()[None] * dx.double()[:, None]).sum(-1)
+    y = y + (qb.sum(-1) * dx.double()) @ bq.m.double().T
+    return (y if bias is None else y + bias.double()).float()

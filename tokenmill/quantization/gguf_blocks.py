@@ -1,0 +1,96 @@
+"""GGUF block formats (llama.cpp's ggml-quants) as BlockQuant, without dequantizing.
+
+Byte layouts, per block (fp16 = IEEE half; nibble j of 16 bytes: low half of byte j for weight j,
+high half for weight 16 + j):
+  Q4_0 (32)  fp16 d, 16 B nibbles                     w = d * (q - 8)
+  Q4_1 (32)  fp16 d, fp16 m, 16 B nibbles             w = d * q + m
+  Q5_0 (32)  fp16 d, 4 B fifth bits, 16 B nibbles     w = d * (q - 16)
+  Q5_1 (32)  fp16 d, fp16 m, 4 B fifth bits, 16 B     w = d * q + m
+  Q8_0 (32)  fp16 d, 32 int8                          w = d * q
+  Q4_K (256) fp16 d, fp16 dmin, 12 B of 6-bit (sc, mn) for 8 sub-blocks of 32, 128 B nibbles
+             (64 weights per 32 bytes: low nibbles the first 32, high the next 32)
+             w = d * sc * q - dmin * mn
+  Q5_K (256) as Q4_K plus 32 B of fifth bits (bit 2 i / 2 i + 1 of byte j: weight j of
+             sub-blocks 2 i / 2 i + 1) before the nibbles
+The first five convert exactly (Q8_0 as code q + 128, m = -128 d); the K formats' sub-block
+scales d * sc and dmin * mn are rounded to float16 (relative error <= 2**-11 on a scale).
+Other types (Q6_K, Q2_K, Q3_K, ...) return None: the loader dequantizes those.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from gguf.constants import GGMLQuantizationType as Q
+
+from tokenmill.quantization import BlockQuant
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """(..., 16) bytes -> (..., 32) codes: low halves, then high halves."""
+    return np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """(..., 4) bytes -> (..., 32) bit j of the little-endian 32-bit word, as 0/16."""
+    word = np.ascontiguousarray(qh).view("<u4")
+    return (((word >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+
+
+def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """12 bytes -> 8 six-bit scales and 8 six-bit mins (llama.cpp's get_scale_min_k4)."""
+    s = raw.astype(np.uint8)
+    sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 0xF) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _simple(b: np.ndarray, qtype: int):
+    """32-weight formats: (codes (..., 32), d, m) per block."""
+    d = _f16(b[:, 0:2])
+    if qtype == Q.Q8_0:
+        return (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d
+    if qtype == Q.Q4_0:
+        return _nibbles(b[:, 2:18]), d, -8 * d
+    if qtype == Q.Q4_1:
+        return _nibbles(b[:, 4:20]), d, _f16(b[:, 2:4])
+    if qtype == Q.Q5_0:
+        return _nibbles(b[:, 6:22]) | _fifth_bits(b[:, 2:6]), d, -16 * d
+    return _nibbles(b[:, 8:24]) | _fifth_bits(b[:, 4:8]), d, _f16(b[:, 2:4])  # Q5_1
+
+
+def _k_quant(b: np.ndarray, qtype: int):
+    """256-weight K formats: (codes (..., 8 * 32), d, m) per sub-block of 32."""
+    d, dmin = _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+    sc, mn = _k_scales(b[:, 4:16])
+    qs = b[:, 48:176] if qtype == Q.Q5_K else b[:, 16:144]
+    pairs = qs.reshape(-1, 4, 32)  # 4 x 32 bytes -> sub-blocks (2 i, 2 i + 1)
+    codes = np.stack([pairs & 0xF, pairs >> 4], axis=2).reshape(-1, 8, 32)
+    if qtype == Q.Q5_K:
+        qh = b[:, 16:48]  # bit s of byte j: weight j of sub-block s
+        codes = codes | ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4
+    return codes.reshape(-1, 256), d * sc, -(dmin * mn)
+
+
+_SIMPLE = {Q.Q4_0: (18, 4), Q.Q4_1: (20, 4), Q.Q5_0: (22, 8), Q.Q5_1: (24, 8), Q.Q8_0: (34, 8)}
+_K = {Q.Q4_K: (144, 4), Q.Q5_K: (176, 8)}
+NATIVE_TYPES = (*_SIMPLE, *_K)
+
+
+def to_block_quant(data: np.ndarray, qtype: int, rows: int, cols: int) -> BlockQuant | None:
+    """A GGUF tensor's bytes (rows, bytes per row) as BlockQuant, or None for other types."""
+    if qtype not in NATIVE_TYPES:
+        return None
+    size, bits = _SIMPLE.get(qtype) or _K[qtype]
+    blocks = np.asarray(data).reshape(-1, size)
+    codes, d, m = (_simple if qtype in _SIMPLE else _k_quant)(blocks, qtype)
+    shape = (blocks.shape[0], codes.shape[1] // 32)
+    d, m = (np.broadcast_to(t.reshape(blocks.shape[0], -1), shape) for t in (d, m))
+    return BlockQuant(
+        torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, cols), dtype=np.uint8)),
+        torch.from_numpy(d.reshape(rows, cols // 32).astype(np.float16)),
+        torch.from_numpy(m.reshape(rows, cols // 32).astype(np.float16)), bits)
