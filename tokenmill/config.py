@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from tokenmill.layers.kv_quant import KV_FORMATS
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("int8", "int4", "int4-g128")  # quantization/rtn.py
 KV_CACHE_DTYPES = ("auto", *KV_FORMATS)
 
 
@@ -23,11 +24,14 @@ class EngineConfig:
 
     kv_cache_memory: bytes for the paged KV cache. When None, the cache holds
     max_num_seqs x max_model_len tokens, capped at a fraction of free memory.
+    quantization: quantize a float checkpoint's linear layers at load (QUANTIZATIONS); None
+    keeps what the checkpoint has (a quantized GGUF, AWQ or GPTQ model stays quantized).
     """
 
     model: str
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
     device: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 32
@@ -46,6 +50,9 @@ class EngineConfig:
             raise ValueError(f"model must be a non-empty path or name, got {self.model!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)} (or None), "
+                             f"got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "

@@ -15,7 +15,8 @@ Prompt = str | dict
 
 
 class LLM:
-    """LLM(model, dtype=..., max_model_len=..., max_num_seqs=..., max_num_batched_tokens=...,
+    """LLM(model, dtype=..., quantization=..., max_model_len=..., max_num_seqs=...,
+    max_num_batched_tokens=...,
     block_size=..., enable_prefix_caching=True, kv_cache_memory=..., ...)."""
 
     def __init__(self, model: str, **kwargs) -> None:

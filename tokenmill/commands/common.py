@@ -22,6 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--tokenizer", help="tokenizer path when it is not next to the model")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--quantization", choices=["int8", "int4", "int4-g128"],
+                   help="quantize a float checkpoint's linear layers at load (a quantized "
+                        "GGUF file keeps its own quantization with --dtype auto)")
     g.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1 ...")
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--max-num-seqs", type=int, default=32)
@@ -36,7 +39,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
-        tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+        tokenizer=args.tokenizer, dtype=args.dtype, quantization=args.quantization,
+        device=args.device,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,

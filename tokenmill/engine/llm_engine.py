@@ -41,7 +41,7 @@ class LLMEngine:
         backend = ops.select(config.use_kernels, self.device)
         clock.lap("kernel library")
         model, self.model_config, self.dtype = load_model(
-            path, config.dtype, self.device, config.max_model_len, backend
+            path, config.dtype, self.device, config.max_model_len, backend, config.quantization
         )
         clock.lap("weights")
         self.tokenizer = load_tokenizer(config.tokenizer or path, self.model_config)

@@ -54,6 +54,12 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     model.tie_weights()  # each module got its own tensor, untying shared ones
+    if _quantize_on_load:
+        from tokenmill.layers.linear import Linear
+
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.quantize_on_load = _quantize_on_load
     return model.eval()
 
 
@@ -74,13 +80,23 @@ def detect_format(path: str) -> str:
 
 
 def load_model(path: str, dtype: str, device: torch.device, max_positions: int | None,
-               backend=None) -> tuple[nn.Module, ModelConfig, torch.dtype]:
+               backend=None, quantization: str | None = None
+               ) -> tuple[nn.Module, ModelConfig, torch.dtype]:
     """The model at path, its modules built to run on `backend` (layers/ops.py; default: the
-    current one)."""
+    current one); with `quantization` (quantization/rtn.py), float linear weights are
+    quantized as they load."""
     from tokenmill.layers import ops
 
+    global _quantize_on_load
     with ops.building(backend or ops.current()):
-        return _load_model(path, dtype, device, max_positions)
+        _quantize_on_load = quantization
+        try:
+            return _load_model(path, dtype, device, max_positions)
+        finally:
+            _quantize_on_load = None
+
+
+_quantize_on_load: str | None = None  # what build_model tells the linear layers while loading
 
 
 def _load_model(path: str, dtype: str, device: torch.device,

@@ -23,7 +23,7 @@ def load_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
         owner = _owner(model, target)
-        if getattr(owner, "takes_quantized", lambda t: False)(tensor):
+        if target.endswith(".weight") and getattr(owner, "takes_quantized", lambda t: 0)(tensor):
             owner.load_shard(shard, tensor)  # quantized, or assembled in the layer first
             pending[target].discard(shard)
             continue
