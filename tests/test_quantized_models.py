@@ -20,7 +20,8 @@ pytestmark = pytest.mark.skipif(
     not (ops.available() and ops.select(True, torch.device("cpu")).quantized_kernels),
     reason="the kernels here have no fast quantized path (quantized files are dequantized)")
 
-# every native type, and two fused projections with a part that is not (v: Q6_K, up: F16)
+# every native type (q|k|v mixes 4- and 8-bit codes), and a fused projection with a float
+# part (up: F16), which makes gate|up dequantized
 NATIVE_MIX = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q5_1, "attn_q.weight": Q.Q4_K,
               "attn_k.weight": Q.Q5_K, "attn_v.weight": Q.Q6_K, "attn_output.weight": Q.Q4_0,
               "ffn_gate.weight": Q.Q4_1, "ffn_up.weight": Q.F16, "ffn_down.weight": Q.Q5_0}
@@ -51,7 +52,7 @@ def test_gguf_runs_from_its_blocks(tmp_path, arch):
     assert native.engine.dtype == torch.bfloat16
     for module, quantized in ((m.model.embed_tokens, True), (m.lm_head, True),
                               (layer.self_attn.o_proj, True), (layer.mlp.down_proj, True),
-                              (layer.self_attn.qkv_proj, False), (layer.mlp.gate_up_proj, False)):
+                              (layer.self_attn.qkv_proj, True), (layer.mlp.gate_up_proj, False)):
         assert (quant_of(module.weight) is not None) == quantized
     close(logits(native), logits(exact))
 

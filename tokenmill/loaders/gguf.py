@@ -3,12 +3,12 @@
 Hyperparameters come from the `{arch}.*` metadata; tensors are renamed to Hugging Face names.
 With dtype="auto", where the CPU kernels run quantized weights fast (ops.quantized_kernels),
 the weight matrices stay quantized (quantization/gguf_blocks.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-Q4_K, Q5_K; other types, and any fused projection with one of them, are dequantized) and the
-activations run in bfloat16. Otherwise every tensor is dequantized at load to the engine dtype:
-dtype="auto" then means bfloat16 for quantized/16-bit files (on CPU when tokenmill's kernels
-are available, else float32; see loaders.resolve_dtype) and float32 for F32 files;
-dtype="float32" keeps the dequantized values exact, which the tests use to match
-llama.cpp/transformers closely.
+Q4_K, Q5_K, Q6_K; float tensors, other types, and any fused projection with one of them, are
+dequantized) and the activations run in bfloat16. Otherwise every tensor is dequantized at
+load to the engine dtype: dtype="auto" then means bfloat16 for quantized/16-bit files (on CPU
+when tokenmill's kernels are available, else float32; see loaders.resolve_dtype) and float32
+for F32 files; dtype="float32" keeps the dequantized values exact, which the tests use to
+match llama.cpp/transformers closely.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ LinearMethod per format; here each format only has to say how its bytes map to t
 one kernel runs them all: kernels/csrc/quant.cpp). The methods:
 
 - GGUF blocks (gguf_blocks.py), kept from the file: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 exactly,
-  Q4_K and Q5_K with their sub-block scales rounded to float16;
+  Q4_K and Q5_K with their sub-block scales rounded to float16, Q6_K with one of its two
+  sub-block scales per 32 weights requantized (gguf_blocks.py states the error);
 - on the fly from float weights (rtn.py): "int8" (per output channel, symmetric) and "int4"
   (groups of 32 or 128, asymmetric), round to nearest.
 """

@@ -12,9 +12,14 @@ high half for weight 16 + j):
              w = d * sc * q - dmin * mn
   Q5_K (256) as Q4_K plus 32 B of fifth bits (bit 2 i / 2 i + 1 of byte j: weight j of
              sub-blocks 2 i / 2 i + 1) before the nibbles
+  Q6_K (256) 128 B low nibbles, 64 B high bit pairs, 16 int8 scales (one per 16 weights),
+             fp16 d                                   w = d * sc * (q - 32), q in [0, 64)
 The first five convert exactly (Q8_0 as code q + 128, m = -128 d); the K formats' sub-block
 scales d * sc and dmin * mn are rounded to float16 (relative error <= 2**-11 on a scale).
-Other types (Q6_K, Q2_K, Q3_K, ...) return None: the loader dequantizes those.
+Q6_K has a scale per 16 weights: per block of 32 the half with the larger |sc| sets
+D = d * sc / 4 and keeps its codes exactly (4 (q - 32) + 128); the other half's codes are
+rounded to D's grid (error <= 1/8 of its own quantization step). Other types (Q2_K, Q3_K,
+IQ*, ...) return None: the loader dequantizes those.
 """
 
 from __future__ import annotations
@@ -76,8 +81,25 @@ def _k_quant(b: np.ndarray, qtype: int):
     return codes.reshape(-1, 256), d * sc, -(dmin * mn)
 
 
+def _q6_k(b: np.ndarray, qtype: int):
+    """Q6_K -> 8-bit codes per block of 32 (see the module docstring)."""
+    from gguf.quants import dequantize
+
+    unit = b.copy()  # the gguf package's own bit layout, read with d = 1 and scales = 1
+    unit[:, 192:208] = 1
+    unit[:, 208:210] = np.array([1.0], np.float16).view(np.uint8)
+    q = dequantize(unit, Q.Q6_K).reshape(-1, 8, 2, 16)  # q - 32, (blocks, 32s, halves, 16)
+    sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 8, 2)
+    big = np.abs(sc[..., 0]) >= np.abs(sc[..., 1])  # which half sets the block's scale
+    smax = np.where(big, sc[..., 0], sc[..., 1])
+    ratio = np.where(smax[..., None] == 0, 0.0, sc / np.where(smax == 0, 1.0, smax)[..., None])
+    codes = np.clip(np.round(4 * q * ratio[..., None]) + 128, 0, 255)
+    d = _f16(b[:, 208:210])[:, None] * smax / 4
+    return codes.reshape(-1, 256), d, -128 * d
+
+
 _SIMPLE = {Q.Q4_0: (18, 4), Q.Q4_1: (20, 4), Q.Q5_0: (22, 8), Q.Q5_1: (24, 8), Q.Q8_0: (34, 8)}
-_K = {Q.Q4_K: (144, 4), Q.Q5_K: (176, 8)}
+_K = {Q.Q4_K: (144, 4), Q.Q5_K: (176, 8), Q.Q6_K: (210, 8)}
 NATIVE_TYPES = (*_SIMPLE, *_K)
 
 
@@ -87,7 +109,8 @@ def to_block_quant(data: np.ndarray, qtype: int, rows: int, cols: int) -> BlockQ
         return None
     size, bits = _SIMPLE.get(qtype) or _K[qtype]
     blocks = np.asarray(data).reshape(-1, size)
-    codes, d, m = (_simple if qtype in _SIMPLE else _k_quant)(blocks, qtype)
+    convert = _simple if qtype in _SIMPLE else _q6_k if qtype == Q.Q6_K else _k_quant
+    codes, d, m = convert(blocks, qtype)
     shape = (blocks.shape[0], codes.shape[1] // 32)
     d, m = (np.broadcast_to(t.reshape(blocks.shape[0], -1), shape) for t in (d, m))
     return BlockQuant(

@@ -1,0 +1,49 @@
+"""GGUF block formats converted to the kernels' block form (quantization/gguf_blocks.py),
+against the gguf package's dequantization: exact for the 32-weight formats, within the float16
+rounding of the sub-block scales for the K formats, and within Q6_K's stated requantization
+error for Q6_K."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf.constants import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from tests.gguf_util import random_blocks
+from tokenmill.quantization.gguf_blocks import NATIVE_TYPES, to_block_quant
+
+
+def weights(rows: int = 8, cols: int = 512) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal((rows, cols)) * rng.uniform(0.01, 3, (rows, 1))).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0])
+def test_simple_formats_are_exact(qtype):
+    q = quantize(weights(), qtype)
+    bq = to_block_quant(q, qtype, 8, 512)
+    assert bq.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1) else 8)
+    assert np.array_equal(bq.dequantize().numpy(), dequantize(q, qtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("qtype,tol", [(Q.Q4_K, 1e-3), (Q.Q5_K, 1e-3), (Q.Q6_K, 1e-2)])
+def test_k_formats_are_close(qtype, tol):
+    q = random_blocks(qtype, 8, 512, np.random.default_rng(1))
+    ref = dequantize(q, qtype).astype(np.float32)
+    ours = to_block_quant(q, qtype, 8, 512).dequantize().numpy()
+    assert np.abs(ours - ref).max() < tol * np.abs(ref).max()
+
+
+def test_q6_k_with_equal_half_scales_is_exact_up_to_the_scale():
+    q = random_blocks(Q.Q6_K, 8, 512, np.random.default_rng(2)).reshape(-1, 210)
+    q[:, 192:208] = 5  # every sub-block scale equal: no requantization
+    q = q.reshape(8, -1)
+    ref = dequantize(q, Q.Q6_K).astype(np.float32)
+    ours = to_block_quant(q, Q.Q6_K, 8, 512).dequantize().numpy()
+    assert np.abs(ours - ref).max() < 2 ** -11 * np.abs(ref).max()
+
+
+def test_other_types_are_left_to_the_loader():
+    assert Q.Q2_K not in NATIVE_TYPES and to_block_quant(np.zeros((1, 84), np.uint8), Q.Q2_K, 1,
+                                                         256) is None
