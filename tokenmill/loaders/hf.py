@@ -52,8 +52,16 @@ def hf_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_hf(path: str, dtype: str, device: torch.device,
             max_positions: int | None) -> tuple[nn.Module, ModelConfig, torch.dtype]:
+    """A pre-quantized checkpoint (AWQ, GPTQ, compressed-tensors: quantization/hf_formats.py)
+    keeps its quantization; its activations run in bfloat16 on CPU with the kernels (its
+    config's float16 otherwise)."""
+    from tokenmill.quantization.hf_formats import checkpoint_format, read
+
+    with open(os.path.join(path, "config.json")) as f:
+        fmt = checkpoint_format(json.load(f))
     cfg = read_hf_config(path)
     torch_dtype = resolve_dtype(dtype, cfg.torch_dtype, device)
     model = build_model(cfg, torch_dtype, device, max_positions or cfg.max_position_embeddings)
-    model.load_weights(hf_weights(path))
+    weights = hf_weights(path)
+    model.load_weights(read(fmt, weights) if fmt else weights)
     return model, cfg, torch_dtype

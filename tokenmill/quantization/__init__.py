@@ -29,6 +29,7 @@ class BlockQuant:
     d: torch.Tensor
     m: torch.Tensor
     bits: int
+    perm: torch.Tensor | None = None  # input order the columns are stored in (act-order GPTQ)
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
@@ -46,22 +47,31 @@ class BlockQuant:
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 weight (the reference the kernels are tested against)."""
+    def dequantize(self, stored_order: bool = False) -> torch.Tensor:
+        """The float32 weight (the reference the kernels are tested against), its columns in
+        input order (or as stored, permuted by perm)."""
         n, k = self.codes.shape
         c = self.codes.reshape(n, k // BLOCK, BLOCK).float()
-        return (c * self.d.float()[..., None] + self.m.float()[..., None]).reshape(n, k)
+        w = (c * self.d.float()[..., None] + self.m.float()[..., None]).reshape(n, k)
+        if self.perm is None or stored_order:
+            return w
+        return w[:, torch.argsort(self.perm)]
 
     def rows(self, index) -> BlockQuant:
         """Some output rows (a slice, or an index tensor)."""
-        return BlockQuant(self.codes[index], self.d[index], self.m[index], self.bits)
+        return BlockQuant(self.codes[index], self.d[index], self.m[index], self.bits, self.perm)
 
     @staticmethod
-    def cat(parts: list[BlockQuant]) -> BlockQuant:
+    def cat(parts: list[BlockQuant]) -> BlockQuant | None:
         """Stacked along the output rows (fused q|k|v, gate|up); 4-bit codes widen to 8 bits
-        when the parts differ."""
+        when the parts differ. None when the parts' input orders differ."""
+        perm = parts[0].perm
+        if any((p.perm is None) != (perm is None) or (perm is not None and
+                                                       not torch.equal(p.perm, perm))
+               for p in parts):
+            return None
         return BlockQuant(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
-                          torch.cat([p.m for p in parts]), max(p.bits for p in parts))
+                          torch.cat([p.m for p in parts]), max(p.bits for p in parts), perm)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
