@@ -34,3 +34,13 @@ def keep_freed_memory() -> bool:
     if not ok:
         logger.debug("mallopt rejected the thresholds; freed memory goes back to the OS")
     return ok
+
+
+def release_freed_memory() -> bool:
+    """Give the heap's free pages back to the OS now (glibc malloc_trim): after loading, whose
+    temporaries (a quantized tensor's codes before repacking, dequantized copies) would
+    otherwise stay resident under the raised thresholds. False where there is no glibc."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0) == 1
+    except (OSError, AttributeError, TypeError):
+        return False

@@ -11,7 +11,7 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.cache_config import plan_kv_cache, resolve_device
-from tokenmill.engine.host_memory import keep_freed_memory
+from tokenmill.engine.host_memory import keep_freed_memory, release_freed_memory
 from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request
@@ -43,6 +43,8 @@ class LLMEngine:
         model, self.model_config, self.dtype = load_model(
             path, config.dtype, self.device, config.max_model_len, backend, config.quantization
         )
+        if self.device.type == "cpu":
+            release_freed_memory()
         clock.lap("weights")
         self.tokenizer = load_tokenizer(config.tokenizer or path, self.model_config)
         clock.lap("tokenizer")
