@@ -153,6 +153,81 @@ void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
   }
 }
 constexpr bool kFastQuant = true;
+#elif defined(__AVX2__)
+// AVX2 without VNNI: VPMADDUBSW (unsigned codes x signed int8, adjacent pairs summed to int16)
+// then VPMADDWD by ones. 4-bit codes: a pair is at most 2 * 15 * 127, no saturation. 8-bit
+// codes go signed, c - 128, with their sign moved onto x (|c - 128| <= 128: a pair stays below
+// 2**15); the 128 * sum(q) share joins m: w = d (c - 128) + (m + 128 d). Half a group (8
+// outputs) per pass, up to 4 rows (16 ymm registers).
+template <int R, int BITS>
+void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+               int half, float (*y)[kGroup]) {
+  const int64_t blocks = K / kBlock;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * group_bytes(BITS);
+    const uint8_t* codes = blk + 64 + 32 * half;
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
+    __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * half)));
+    if constexpr (BITS == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m);
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    const int8_t* xb = xq + b * kBlock;
+    auto x4 = [&](int r, int k) {
+      int32_t v;
+      std::memcpy(&v, xb + r * K + k, 4);
+      return _mm256_set1_epi32(v);
+    };
+    auto dot = [&](int r, __m256i a, __m256i x) {
+      s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
+    };
+    if constexpr (BITS == 4) {
+      for (int j = 0; j < 4; ++j) {
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
+        __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        for (int r = 0; r < R; ++r) {
+          dot(r, lo, x4(r, 4 * j));
+          dot(r, hi, x4(r, 16 + 4 * j));
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        __m256i v = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j)), flip);
+        __m256i a = _mm256_abs_epi8(v);
+        for (int r = 0; r < R; ++r) dot(r, a, _mm256_sign_epi8(x4(r, 4 * j), v));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[r * blocks + b]));
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * blocks + b]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y[r] + 8 * half, acc[r]);
+}
+
+template <int BITS>
+void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+          const uint8_t* w, float (*y)[kGroup]) {
+  const int64_t blocks = K / kBlock;
+  for (int r0 = 0; r0 < R; r0 += 4) {
+    const int8_t* x = xq + r0 * K;
+    const float *d = dx + r0 * blocks, *s = sx + r0 * blocks;
+    for (int half = 0; half < 2; ++half) {
+      switch (std::min(4, R - r0)) {
+        case 1: tile_avx2<1, BITS>(x, d, s, K, w, half, y + r0); break;
+        case 2: tile_avx2<2, BITS>(x, d, s, K, w, half, y + r0); break;
+        case 3: tile_avx2<3, BITS>(x, d, s, K, w, half, y + r0); break;
+        default: tile_avx2<4, BITS>(x, d, s, K, w, half, y + r0);
+      }
+    }
+  }
+}
+constexpr bool kFastQuant = true;
 #else
 template <int BITS>
 void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
