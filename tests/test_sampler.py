@@ -56,6 +56,31 @@ def test_min_p_filter():
     assert kept.sum() == 2
 
 
+def full_sort_filter(logits, top_k, top_p):
+    """top-k then top-p over the whole sorted vocabulary: the definition filter_logits'
+    candidate shortcut must reproduce."""
+    out = torch.full_like(logits, -float("inf"))
+    for r in range(logits.shape[0]):
+        vals, order = logits[r].sort(descending=True)
+        k = int(top_k[r]) or logits.shape[1]
+        vals = vals.masked_fill(vals < vals[k - 1], -float("inf"))
+        probs = vals.softmax(-1)
+        if top_p[r] < 1:
+            vals = vals.masked_fill(probs.cumsum(-1) - probs >= top_p[r], -float("inf"))
+        out[r, order] = vals
+    return out
+
+
+@pytest.mark.parametrize("scale", [0.5, 8.0])  # flat (top-p needs the full sort) and peaked
+def test_candidate_filter_equals_a_full_sort(scale):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=g) * scale
+    top_k = torch.tensor([0, 0, 40, 2000, 1, 0])
+    top_p = torch.tensor([0.95, 0.5, 0.9, 0.8, 1.0, 1.0])
+    got = filter_logits(logits.clone(), top_k, top_p, torch.zeros(6))
+    assert torch.equal(got.isfinite(), full_sort_filter(logits, top_k, top_p).isfinite())
+
+
 def test_penalties_match_transformers():
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 

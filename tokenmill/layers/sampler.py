@@ -83,6 +83,9 @@ def apply_penalties(logits: torch.Tensor, penalties: list[Penalties | None]) -> 
             row -= p.frequency * counts + p.presence * (counts > 0).float()
 
 
+CANDIDATES = 1024  # tokens sorted for top-p when they hold enough of the mass
+
+
 def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor) -> torch.Tensor:
     """Mask (to -inf) tokens outside min-p, top-k and top-p, row-wise. top_k=0 means all."""
@@ -93,16 +96,27 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     use_k, use_p = bool((top_k > 0).any()), bool((top_p < 1).any())
     if not (use_k or use_p):
         return logits
-    sorted_logits, order = logits.sort(-1, descending=True)
     vocab = logits.shape[1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    # Only the best `width` tokens can survive; a full sort of a 49k vocabulary costs ~3.5 ms
+    # a row on CPU, topk of the candidates ~0.1 ms. Without top-k, top-p alone needs every
+    # token only when the best CANDIDATES do not already hold top_p of the mass.
+    width = int(k.max())
+    full_lse = logits.logsumexp(-1)
+    if width > CANDIDATES and use_p:
+        mass = (logits.topk(CANDIDATES).values - full_lse[:, None]).exp().sum(-1)
+        if bool((mass >= top_p).all()):
+            width = CANDIDATES
+    sorted_logits, order = logits.topk(width, sorted=True)
     if use_k:
-        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-        kth = sorted_logits.gather(1, (k - 1)[:, None])  # (rows, 1) k-th largest logit
+        kth = sorted_logits.gather(1, (k.clamp(max=width) - 1)[:, None])  # k-th largest logit
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -float("inf"))
-    if use_p:
-        probs = sorted_logits.softmax(-1)
+    if use_p:  # probabilities among the tokens top-k kept (all of them without top-k)
+        lse = torch.where(top_k > 0, sorted_logits.logsumexp(-1), full_lse)
+        probs = (sorted_logits - lse[:, None]).exp()
         before = probs.cumsum(-1) - probs  # mass of strictly better tokens
-        sorted_logits = sorted_logits.masked_fill(before >= top_p[:, None], -float("inf"))
+        cut = (before >= top_p[:, None]) & (top_p[:, None] < 1)  # 1 = off (not a rounding)
+        sorted_logits = sorted_logits.masked_fill(cut, -float("inf"))
     return torch.full_like(logits, -float("inf")).scatter(1, order, sorted_logits)
 
 
