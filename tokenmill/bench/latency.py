@@ -22,7 +22,13 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from tokenmill import SamplingParams
-    from tokenmill.bench.offline import emit, make_llm, random_prompt, weight_bytes_per_token
+    from tokenmill.bench.offline import (
+        emit,
+        make_llm,
+        random_prompt,
+        weight_bytes_per_token,
+        weight_format,
+    )
 
     llm = make_llm(args, max_num_seqs=1,
                    max_model_len=args.max_model_len or args.input_len + args.output_len + 16)
@@ -42,13 +48,15 @@ def run(args) -> int:
     weights = weight_bytes_per_token(engine.runner.model)
     result = {
         "benchmark": "latency", "model": args.model, "dtype": str(engine.dtype).split(".")[-1],
-        "kernels": engine.runner.kernels, "input_len": args.input_len,
+        "kernels": engine.runner.kernels, "weights": weight_format(engine.runner.model),
+        "input_len": args.input_len,
         "output_len": args.output_len, "ttft_s": ttft, "prefill_tok_s": args.input_len / ttft,
         "itl_s": itl, "decode_tok_s": 1.0 / itl, "e2e_s": e2e,
         "weight_bytes_per_token": weights, "achieved_gb_s": weights / itl / 1e9,
     }
     kernels = "on" if result["kernels"] else "off"
-    print(f"model {args.model} ({result['dtype']}, kernels {kernels}), "
+    print(f"model {args.model} ({result['dtype']} activations, weights {result['weights']}, "
+          f"kernels {kernels}), "
           f"prompt {args.input_len}, output {args.output_len}, median of {args.num_iters}")
     print(f"  TTFT            {ttft * 1e3:9.1f} ms   ({result['prefill_tok_s']:.0f} prompt tok/s)")
     print(f"  mean ITL        {itl * 1e3:9.2f} ms   ({result['decode_tok_s']:.1f} tok/s)")

@@ -49,6 +49,28 @@ def weight_bytes_per_token(model) -> int:
     return total
 
 
+def weight_format(model) -> str:
+    """'float', or how many weight matrices run quantized with which code width."""
+    from collections import Counter
+
+    from tokenmill.layers.linear import quant_of
+
+    bits, floats, seen = Counter(), 0, set()
+    for p in model.parameters():
+        if p.dim() != 2 or id(p) in seen:
+            continue
+        seen.add(id(p))
+        q = quant_of(p)
+        if q is None:
+            floats += 1
+        else:
+            bits[q.bits] += 1
+    if not bits:
+        return "float"
+    parts = [f"{n} x {b}-bit" for b, n in sorted(bits.items())]
+    return "quantized " + ", ".join(parts + ([f"{floats} float"] if floats else []))
+
+
 def _tied(model) -> bool:
     return bool(getattr(model.config, "tie_word_embeddings", False))
 
