@@ -93,6 +93,8 @@ def test_bad_quantized_weights_are_refused(lib):
     bq = random_bq(4, 64, 4)
     with pytest.raises(ValueError, match="scales"):
         BlockQuant(bq.codes, bq.d[:, :1], bq.m[:, :1], 4)
+    with pytest.raises(ValueError, match="codes above 15"):
+        BlockQuant(bq.codes + 16, bq.d, bq.m, 4)
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize(torch.randn(4, 48), "int4")
     with pytest.raises(ValueError, match="not supported"):

@@ -42,6 +42,8 @@ class BlockQuant:
                              f"of shape {(n, k // BLOCK)}, 4 or 8 bits)")
         if not (torch.isfinite(self.d).all() and torch.isfinite(self.m).all()):
             raise ValueError("quantized weight has scales that overflow float16")
+        if self.bits == 4 and self.codes.numel() and int(self.codes.max()) > 15:
+            raise ValueError("4-bit quantized weight has codes above 15")
 
     @property
     def shape(self) -> tuple[int, int]:
