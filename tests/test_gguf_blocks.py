@@ -23,7 +23,7 @@ def weights(rows: int = 8, cols: int = 512) -> np.ndarray:
 def test_simple_formats_are_exact(qtype):
     q = quantize(weights(), qtype)
     bq = to_block_quant(q, qtype, 8, 512)
-    assert bq.bits == (4 if qtype in (Q.Q4_0, Q.Q4_1) else 8)
+    assert bq.bits == {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q8_0: 8}[qtype]
     assert np.array_equal(bq.dequantize().numpy(), dequantize(q, qtype).astype(np.float32))
 
 

@@ -146,7 +146,7 @@ def test_prefill_attention(harness, tmp_path, dtype):
     close(got, ref)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("rows", [1, 9])  # one tile, two
 def test_quantized_linear(harness, tmp_path, bits, rows):
     from tokenmill.quantization import BlockQuant, linear_ref

@@ -33,7 +33,7 @@ def random_bq(n: int, k: int, bits: int, seed: int = 0) -> BlockQuant:
     return BlockQuant(codes, d, m, bits)
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 def test_pack_round_trip(lib, bits):
     bq = random_bq(37, 96, bits)  # 37 rows: a partial group of 16
     packed = lib.qpack(bq.codes, bq.d, bq.m, bits)
@@ -42,7 +42,7 @@ def test_pack_round_trip(lib, bits):
     assert torch.equal(lib.qdequantize(packed, rows), bq.dequantize()[rows])
 
 
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # 1-8 rows: one tile; 9, 17: several; 70: two row chunks of 64
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 70])
@@ -93,7 +93,7 @@ def test_bad_quantized_weights_are_refused(lib):
     bq = random_bq(4, 64, 4)
     with pytest.raises(ValueError, match="scales"):
         BlockQuant(bq.codes, bq.d[:, :1], bq.m[:, :1], 4)
-    with pytest.raises(ValueError, match="codes above 15"):
+    with pytest.raises(ValueError, match="4-bit quantized weight has codes above 15"):
         BlockQuant(bq.codes + 16, bq.d, bq.m, 4)
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize(torch.randn(4, 48), "int4")

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(
     not (ops.available() and ops.select(True, torch.device("cpu")).quantized_kernels),
     reason="the kernels here have no fast quantized path (quantized files are dequantized)")
 
-# every native type (q|k|v mixes 4- and 8-bit codes), and a fused projection with a float
+# every native type (q|k|v mixes 4-, 5- and 8-bit codes), and a fused projection with a float
 # part (up: F16), which makes gate|up dequantized
 NATIVE_MIX = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q5_1, "attn_q.weight": Q.Q4_K,
               "attn_k.weight": Q.Q5_K, "attn_v.weight": Q.Q6_K, "attn_output.weight": Q.Q4_0,

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
-QUANT_BITS = (4, 8)  # block-quantized weights: TM_QI4, TM_QI8 (code bits)
+QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
 ABI_VERSION = 3
 _P, _I = c_void_p, c_int64
 
@@ -71,7 +71,7 @@ def _check(ok: bool, what: str) -> None:
 
 
 class PackedLinear:
-    """A weight in the library's panel layout (or block-quantized with `bits` 4 / 8, see
+    """A weight in the library's panel layout (or block-quantized with `bits` 4 / 5 / 8, see
     tm_qpack) plus its float32 bias, as the C struct reads it; holds the tensors the struct
     points to."""
 

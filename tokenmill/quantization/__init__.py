@@ -1,7 +1,7 @@
 """Quantized weights: one form the kernels execute, and the methods that produce it.
 
 Every weight-quantization method reduces to BlockQuant: w = d * code + m per output row and
-block of 32 input columns, with unsigned codes of 4 or 8 bits and float16 d, m (vLLM has one
+block of 32 input columns, with unsigned codes of 4, 5 or 8 bits and float16 d, m (vLLM has one
 LinearMethod per format; here each format only has to say how its bytes map to this form, and
 one kernel runs them all: kernels/csrc/quant.cpp). The methods:
 
@@ -23,7 +23,8 @@ BLOCK = 32
 
 @dataclass
 class BlockQuant:
-    """An (n, k) weight as codes (n, k) uint8 < 2**bits and float16 d, m (n, k / 32)."""
+    """An (n, k) weight as codes (n, k) uint8 < 2**bits (bits 4, 5 or 8) and float16 d, m
+    (n, k / 32)."""
 
     codes: torch.Tensor
     d: torch.Tensor
@@ -33,17 +34,18 @@ class BlockQuant:
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
-        if (self.bits not in (4, 8) or k % BLOCK or self.codes.dtype != torch.uint8
+        if (self.bits not in (4, 5, 8) or k % BLOCK or self.codes.dtype != torch.uint8
                 or self.d.dtype != torch.float16 or self.m.dtype != torch.float16
                 or self.d.shape != (n, k // BLOCK) or self.m.shape != self.d.shape):
             raise ValueError(f"quantized weight of shape {(n, k)}: codes {self.codes.dtype}, "
                              f"scales {tuple(self.d.shape)} {self.d.dtype}, {self.bits} bits "
                              f"do not match (want k a multiple of {BLOCK}, float16 scales "
-                             f"of shape {(n, k // BLOCK)}, 4 or 8 bits)")
+                             f"of shape {(n, k // BLOCK)}, 4, 5 or 8 bits)")
         if not (torch.isfinite(self.d).all() and torch.isfinite(self.m).all()):
             raise ValueError("quantized weight has scales that overflow float16")
-        if self.bits == 4 and self.codes.numel() and int(self.codes.max()) > 15:
-            raise ValueError("4-bit quantized weight has codes above 15")
+        if self.bits < 8 and self.codes.numel() and int(self.codes.max()) >= 1 << self.bits:
+            raise ValueError(f"{self.bits}-bit quantized weight has codes above "
+                             f"{(1 << self.bits) - 1}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -65,8 +67,8 @@ class BlockQuant:
 
     @staticmethod
     def cat(parts: list[BlockQuant]) -> BlockQuant | None:
-        """Stacked along the output rows (fused q|k|v, gate|up); 4-bit codes widen to 8 bits
-        when the parts differ. None when the parts' input orders differ."""
+        """Stacked along the output rows (fused q|k|v, gate|up); narrower codes widen to the
+        widest part's bits. None when the parts' input orders differ."""
         perm = parts[0].perm
         if any((p.perm is None) != (perm is None) or (perm is not None and
                                                        not torch.equal(p.perm, perm))

@@ -98,8 +98,8 @@ def _q6_k(b: np.ndarray, qtype: int):
     return codes.reshape(-1, 256), d, -128 * d
 
 
-_SIMPLE = {Q.Q4_0: (18, 4), Q.Q4_1: (20, 4), Q.Q5_0: (22, 8), Q.Q5_1: (24, 8), Q.Q8_0: (34, 8)}
-_K = {Q.Q4_K: (144, 4), Q.Q5_K: (176, 8), Q.Q6_K: (210, 8)}
+_SIMPLE = {Q.Q4_0: (18, 4), Q.Q4_1: (20, 4), Q.Q5_0: (22, 5), Q.Q5_1: (24, 5), Q.Q8_0: (34, 8)}
+_K = {Q.Q4_K: (144, 4), Q.Q5_K: (176, 5), Q.Q6_K: (210, 8)}
 NATIVE_TYPES = (*_SIMPLE, *_K)
 
 

@@ -1,12 +1,14 @@
 // tokenmill CPU kernels: linear layers on block-quantized weights (GGUF Q4_0 / Q4_1 / Q8_0 and
 // whatever else reduces to the same form), run on their quantized bits.
 //
-// The form: weight w[o][k] = d * c + m with an unsigned code c of 4 or 8 bits and one float16
+// The form: weight w[o][k] = d * c + m with an unsigned code c of 4, 5 or 8 bits and one float16
 // (d, m) per output row and block of 32 k (Q4_0: m = -8 d; Q8_0: c = q + 128, m = -128 d).
 // Repacked at load (tm_qpack) into groups of 16 output rows, so that one 64-byte vector holds
 // 4 consecutive k of 16 outputs; per (group, block): 16 d, 16 m (float16), then the codes:
 //   4 bits  4 chunks of 64 bytes; byte 4 o + t of chunk j: code k = 4 j + t (low nibble) and
 //           k = 16 + 4 j + t (high nibble) of output o
+//   5 bits  the 4-bit chunks, then 8 words of 64 bits: bit p of word 2 j (2 j + 1) is the
+//           fifth bit of the low (high) nibble in byte p of chunk j
 //   8 bits  8 chunks of 64 bytes; byte 4 o + t of chunk j: code k = 4 j + t
 //
 // The product uses integer dot products, as llama.cpp's CPU kernels do: each input row is
@@ -22,13 +24,20 @@ namespace tm {
 
 constexpr int64_t kBlock = 32, kGroup = 16, kRowTile = 8, kRowChunk = 64;
 
-inline int64_t group_bytes(int bits) { return 64 + (bits == 4 ? 256 : 512); }  // per block
+// bytes per (group, block): 64 of scales, then the codes
+inline int64_t group_bytes(int bits) { return 64 + (bits == 4 ? 256 : bits == 5 ? 320 : 512); }
 
 inline int code_at(const uint8_t* codes, int bits, int64_t o, int64_t k) {
   if (bits == 8) return codes[64 * (k / 4) + 4 * o + k % 4];
-  int64_t kk = k % 16;
-  uint8_t b = codes[64 * (kk / 4) + 4 * o + kk % 4];
-  return k < 16 ? b & 0xF : b >> 4;
+  int64_t kk = k % 16, p = 4 * o + kk % 4;  // byte p of chunk kk / 4
+  uint8_t b = codes[64 * (kk / 4) + p];
+  int c = k < 16 ? b & 0xF : b >> 4;
+  if (bits == 5) {  // fifth bits: 64-bit word 2 j (low nibbles) / 2 j + 1 (high), bit p
+    uint64_t word;
+    std::memcpy(&word, codes + 256 + 8 * (2 * (kk / 4) + (k >= 16)), 8);
+    c |= static_cast<int>((word >> p) & 1) << 4;
+  }
+  return c;
 }
 
 // 32 values -> int8 codes q = round(x / dx), dx = max |x| / 127 (round to nearest even; the
@@ -114,10 +123,17 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
       std::memcpy(&v, xb + r * K + k, 4);
       return _mm512_set1_epi32(v);
     };
-    if constexpr (BITS == 4) {
+    if constexpr (BITS != 8) {
+      const __m512i sixteen = _mm512_set1_epi8(16);
       for (int j = 0; j < 4; ++j) {
         __m512i v = _mm512_loadu_si512(codes + 64 * j);
         __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        if constexpr (BITS == 5) {  // add 16 where the fifth bit is set
+          __mmask64 planes[2];
+          std::memcpy(planes, codes + 256 + 16 * j, 16);
+          lo = _mm512_mask_add_epi8(lo, planes[0], lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, planes[1], hi, sixteen);
+        }
         for (int r = 0; r < R; ++r) {
           s[r] = _mm512_dpbusd_epi32(s[r], lo, x4(r, 4 * j));
           s[r] = _mm512_dpbusd_epi32(s[r], hi, x4(r, 16 + 4 * j));
@@ -159,6 +175,17 @@ constexpr bool kFastQuant = true;
 // codes go signed, c - 128, with their sign moved onto x (|c - 128| <= 128: a pair stays below
 // 2**15); the 128 * sum(q) share joins m: w = d (c - 128) + (m + 128 d). Half a group (8
 // outputs) per pass, up to 4 rows (16 ymm registers).
+// 32 bits -> 32 bytes: 16 where the bit is set, else 0
+inline __m256i fifth_bits(const uint8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
+  __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), select);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, select), _mm256_set1_epi8(16));
+}
+
 template <int R, int BITS>
 void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
                int half, float (*y)[kGroup]) {
@@ -184,10 +211,15 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
     auto dot = [&](int r, __m256i a, __m256i x) {
       s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
     };
-    if constexpr (BITS == 4) {
+    if constexpr (BITS != 8) {
       for (int j = 0; j < 4; ++j) {
         __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
         __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        if constexpr (BITS == 5) {
+          const uint8_t* planes = codes - 32 * half + 256 + 16 * j + 4 * half;  // this half's bits
+          lo = _mm256_or_si256(lo, fifth_bits(planes));
+          hi = _mm256_or_si256(hi, fifth_bits(planes + 8));
+        }
         for (int r = 0; r < R; ++r) {
           dot(r, lo, x4(r, 4 * j));
           dot(r, hi, x4(r, 16 + 4 * j));
@@ -280,6 +312,7 @@ void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int o
     quantize_rows(static_cast<const bf16*>(x), m, K, xq.data(), dx.data(), sx.data());
   auto run = [&](auto* o) {
     if (w->quant == TM_QI4) qgemm<4>(xq.data(), dx.data(), sx.data(), m, w, o);
+    else if (w->quant == TM_QI5) qgemm<5>(xq.data(), dx.data(), sx.data(), m, w, o);
     else qgemm<8>(xq.data(), dx.data(), sx.data(), m, w, o);
   };
   if (out_dtype == TM_F32) run(static_cast<float*>(out));
@@ -314,9 +347,13 @@ void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const uint16_t*
           for (int64_t kk = 0; kk < kBlock; ++kk) {
             if (bits == 8) {
               blk[64 + 64 * (kk / 4) + 4 * o + kk % 4] = c[kk];
-            } else {
-              int64_t j = kk % 16;
-              blk[64 + 64 * (j / 4) + 4 * o + j % 4] |= (c[kk] & 0xF) << (kk < 16 ? 0 : 4);
+              continue;
+            }
+            int64_t j = kk % 16, p = 4 * o + j % 4;
+            blk[64 + 64 * (j / 4) + p] |= (c[kk] & 0xF) << (kk < 16 ? 0 : 4);
+            if (bits == 5 && (c[kk] & 0x10)) {
+              uint8_t* word = blk + 64 + 256 + 8 * (2 * (j / 4) + (kk >= 16));
+              word[p / 8] |= static_cast<uint8_t>(1u << (p % 8));
             }
           }
         }

@@ -16,12 +16,12 @@ extern "C" {
 #define TM_API __attribute__((visibility("default")))
 
 enum { TM_F32 = 0, TM_BF16 = 1 };
-/* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4 or 8 bits */
-enum { TM_QI4 = 4, TM_QI8 = 8 };
+/* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
+enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
 #define TM_ABI_VERSION 3
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
- * the model's dtype); with TM_QI4 / TM_QI8, repacked by tm_qpack. */
+ * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
 typedef struct {
   const void* packed;
   const float* bias; /* (n,) float32 or NULL */
@@ -60,7 +60,7 @@ TM_API int64_t tm_panel_rows(void);
 TM_API int64_t tm_packed_numel(int dtype, int64_t n, int64_t k);
 TM_API void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out);
 /* Block-quantized weights: codes (n, k) uint8 and float16 d, m (n, k / 32), w = d * code + m,
- * repacked for the kernels (bits 4 or 8; k a multiple of 32); tm_qdequantize gives `count`
+ * repacked for the kernels (bits 4, 5 or 8; k a multiple of 32); tm_qdequantize gives `count`
  * rows (rows[i], or row i when rows is NULL) back in float32. tm_quant_fast: 1 when this build
  * has the integer dot-product kernel (else a portable loop runs). */
 TM_API int tm_quant_fast(void);
