@@ -43,8 +43,6 @@ class LLMEngine:
         model, self.model_config, self.dtype = load_model(
             path, config.dtype, self.device, config.max_model_len, backend, config.quantization
         )
-        if self.device.type == "cpu":
-            release_freed_memory()
         clock.lap("weights")
         self.tokenizer = load_tokenizer(config.tokenizer or path, self.model_config)
         clock.lap("tokenizer")
@@ -72,6 +70,8 @@ class LLMEngine:
         )
         clock.lap("kv cache")
         self.runner.prepare_weights()
+        if self.device.type == "cpu":
+            release_freed_memory()  # the load's temporaries (see host_memory)
         clock.lap("packing")
         self.startup = clock
         logger.info("ops: %s; %s", backend.name, clock.describe())
