@@ -29,12 +29,13 @@ def test_roundtrip_error_bounds():
     torch.manual_seed(0)
     x = torch.randn(2000, 4, 64) * 3  # (tokens, heads, head_dim)
     amax = x.abs().amax(-1, keepdim=True)
-    spread = x.amax(-1, keepdim=True) - x.amin(-1, keepdim=True)
     err = {name: (roundtrip(name, x) - x).abs() for name in
            ("bfloat16", "fp8_e4m3", "int8", "int4")}
     assert (err["bfloat16"] <= x.abs() * 2**-8).all()
     assert (err["int8"] <= amax / 254 * 1.01).all()  # half a step of amax/127
-    assert (err["int4"] <= spread / 30 * 1.02).all()  # half a step of (max-min)/15
+    # int4 quantizes a rotation of x in groups of 16, its range clipped where that lowers the
+    # squared error: bounded in norm, not per element
+    assert ((roundtrip("int4", x) - x).norm(dim=-1) <= 0.12 * x.norm(dim=-1)).all()
     assert (err["fp8_e4m3"] <= x.abs() * 2**-4 + amax * 2**-9).all()  # 3 mantissa bits
     assert err["int8"].mean() < err["fp8_e4m3"].mean() < err["int4"].mean()
 
@@ -75,7 +76,7 @@ def test_budget_holds_more_tokens_when_quantized(wide_heads):
     blocks = {d: LLM(str(path), dtype="float32", kv_cache_dtype=d, kv_cache_memory=2**22)
               .engine.block_manager.num_blocks for d in ("bfloat16", "int8", "int4")}
     assert 1.9 < blocks["int8"] / blocks["bfloat16"] < 2.0  # 128 vs 66 bytes per head
-    assert 3.5 < blocks["int4"] / blocks["bfloat16"] < 3.6  # 128 vs 36 bytes per head
+    assert 2.6 < blocks["int4"] / blocks["bfloat16"] < 2.7  # 128 vs 48 bytes per head
 
 
 def greedy_ids(llm, prompts, **kw):
@@ -194,7 +195,8 @@ def test_kv_memory_llama2_70b_by_hand():
     assert rows["bfloat16"]["bytes_per_token"] == 2 * 80 * 8 * 128 * 2 == 327_680
     assert rows["bfloat16"]["mha_bytes_per_token"] == 2 * 80 * 64 * 128 * 2
     assert rows["int8"]["bytes_per_token"] == 2 * 80 * 8 * (128 + 2)  # + one fp16 scale per head
-    assert rows["int4"]["bytes_per_token"] == 2 * 80 * 8 * (64 + 4)  # + fp16 scale and minimum
+    # + an fp16 scale and minimum per 16 values
+    assert rows["int4"]["bytes_per_token"] == 2 * 80 * 8 * (64 + 128 // 16 * 4)
     assert rows["bfloat16"]["per_context_bytes"] == 4096 * 327_680  # 1.25 GiB
     assert rows["bfloat16"]["per_batch_bytes"] == 8 * 4096 * 327_680
     assert rows["bfloat16"]["max_sequences"] == 80 * 2**30 // (4096 * 327_680) == 64

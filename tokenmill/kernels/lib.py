@@ -13,13 +13,21 @@ import torch
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 3
+ABI_VERSION = 4
 _P, _I = c_void_p, c_int64
 
 
 class Linear(ctypes.Structure):
     _fields_ = [("packed", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64),
                 ("quant", ctypes.c_int32)]
+
+
+class KVPages(ctypes.Structure):
+    _fields_ = [("format", ctypes.c_int32), ("codes", c_void_p), ("scale", c_void_p),
+                ("zero", c_void_p)]
+
+
+KV_FORMATS = {"int8": 1, "int4": 2}  # TM_KV_INT8, TM_KV_INT4
 
 
 class Layer(ctypes.Structure):
@@ -57,6 +65,9 @@ _SIGNATURES = {
                                    c_float, _P]),
     "tm_prefill_attention": (None, [c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, c_float,
                                     _P]),
+    "tm_decode_attention_quant": (None, [_P, POINTER(KVPages), POINTER(KVPages), _I, _I, _P, _I,
+                                         _P, _I, _I, _I, _I, c_float, _P]),
+    "tm_kv_store": (None, [c_int, _P, _I, _I, _I, _P, _P, POINTER(KVPages)]),
     "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, _P, _P, _I, _I, _P, _P, _I, _P]),
 }
 
@@ -222,6 +233,49 @@ class KernelLib:
                                       tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, h,
                                       d, window or 0, scale, out.data_ptr())
         return out
+
+    def decode_attention_quant(self, q, fmt: str, k_parts, v_parts, block_tables, seq_lens,
+                               window, scale):
+        """decode_attention on one layer's quantized cache: k_parts / v_parts are its stored
+        parts (codes, scale[, minimum]), each (blocks, block_size, kv_heads, width); float32 in
+        and out."""
+        codes = k_parts[0]
+        _check(q.dim() == 3 and codes.dim() == 4 and fmt in KV_FORMATS
+               and all(p.is_contiguous() for p in (*k_parts, *v_parts))
+               and q.shape[1] % codes.shape[2] == 0, "decode_attention_quant: bad cache parts")
+        q = q.float().contiguous()
+        tables = block_tables.to(torch.int64).contiguous()
+        lens = seq_lens.to(torch.int64).contiguous()
+        out = torch.empty_like(q)
+        b, h, d = q.shape
+
+        def pages(parts):
+            zero = parts[2].data_ptr() if len(parts) > 2 else None
+            return KVPages(KV_FORMATS[fmt], parts[0].data_ptr(), parts[1].data_ptr(), zero)
+
+        k, v = pages(k_parts), pages(v_parts)
+        self._sync_threads()
+        self._lib.tm_decode_attention_quant(q.data_ptr(), ctypes.byref(k), ctypes.byref(v),
+                                            codes.shape[1], codes.shape[2], tables.data_ptr(),
+                                            tables.shape[1], lens.data_ptr(), b, h, d,
+                                            window or 0, scale, out.data_ptr())
+        return out
+
+    def kv_store(self, fmt: str, x: torch.Tensor, parts, slots: torch.Tensor,
+                 rotation: torch.Tensor | None = None) -> None:
+        """Quantize x (tokens, kv_heads, head_dim) into one layer's cache parts at slots, as
+        layers/kv_quant.py's encoder does (int4: after x @ rotation)."""
+        _check(x.dim() == 3 and fmt in KV_FORMATS and x.shape[2] <= 256
+               and all(p.is_contiguous() for p in parts) and parts[0].shape[2] == x.shape[1],
+               "kv_store: (tokens, kv_heads, head_dim <= 256) into this layer's parts")
+        x = x.float().contiguous()
+        slots = slots.to(torch.int64).contiguous()
+        rot = None if rotation is None else rotation.float().contiguous()
+        zero = parts[2].data_ptr() if len(parts) > 2 else None
+        pages = KVPages(KV_FORMATS[fmt], parts[0].data_ptr(), parts[1].data_ptr(), zero)
+        self._sync_threads()
+        self._lib.tm_kv_store(KV_FORMATS[fmt], x.data_ptr(), x.shape[0], x.shape[1], x.shape[2],
+                              _ptr(rot), slots.data_ptr(), ctypes.byref(pages))
 
     def prefill_attention(self, q, k_cache, v_cache, block_table, num_computed, window, scale):
         """q: (new tokens, heads, head_dim) of one sequence, at positions num_computed onward,

@@ -98,7 +98,7 @@ class PagedAttention(nn.Module):
         # q: (tokens, heads, head_dim); k, v: (tokens, kv_heads, head_dim)
         if self.cache_group:
             ctx = ctx.window_ctx
-        ctx.kv_cache.store(self.layer_idx, k, v, ctx.slot_mapping)
+        self.ops.kv_store(ctx.kv_cache, self.layer_idx, k, v, ctx.slot_mapping)
         out = torch.empty_like(q)
         nd = ctx.num_decode_tokens
         if nd:
@@ -130,6 +130,18 @@ class PagedAttention(nn.Module):
                                             self.scale)
             if out is not None:
                 return out
+        else:  # quantized pages read in place (a rotated format: q in, the output out)
+            fmt, qf = cache.format, q.float()
+            if fmt.rotated:
+                qf = qf @ fmt.rotation(q.shape[-1], q.device)
+            out = self.ops.decode_attention_quant(
+                qf, fmt.name, [p[self.layer_idx] for p in cache.k],
+                [p[self.layer_idx] for p in cache.v], ctx.decode_block_tables,
+                ctx.decode_seq_lens, self.sliding_window, self.scale)
+            if out is not None:
+                if fmt.rotated:
+                    out = out @ fmt.rotation(q.shape[-1], q.device).T
+                return out.to(q.dtype)
         k, v = cache.gather(self.layer_idx, ctx.decode_block_tables, q.dtype)
         q = q[:, :, None, :]  # (decodes, heads, 1, head_dim)
         k = k.transpose(1, 2)  # (decodes, kv_heads, kv_len, head_dim)

@@ -105,6 +105,17 @@ class TorchOps:
         None when this implementation has none for it (the caller uses SDPA)."""
         return None
 
+    def kv_store(self, cache, layer: int, k: torch.Tensor, v: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """Write a step's new K/V (tokens, kv_heads, head_dim) into `layer` of the cache."""
+        cache.store(layer, k, v, slots)
+
+    def decode_attention_quant(self, q, fmt: str, k_parts, v_parts, block_tables, seq_lens,
+                               window, scale):
+        """Paged attention on a quantized cache (its parts for one layer), float32 q; None when
+        this implementation has none (the caller gathers, dequantizes and uses SDPA)."""
+        return None
+
     def prepare_attention(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
         """Plan the prefill attention of this shape now (measured once per machine)."""
         return None
@@ -193,6 +204,25 @@ class KernelOps(TorchOps):
             return self.lib.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                              window, scale)
         return None
+
+    def kv_store(self, cache, layer, k, v, slots):
+        from tokenmill.kernels.lib import KV_FORMATS
+
+        fmt = cache.format
+        if fmt.name not in KV_FORMATS or k.device.type != "cpu" or k.shape[-1] > 256:
+            return super().kv_store(cache, layer, k, v, slots)
+        rot = fmt.rotation(k.shape[-1], k.device) if fmt.rotated else None
+        for parts, x in ((cache.k, k), (cache.v, v)):
+            self.lib.kv_store(fmt.name, x, [p[layer] for p in parts], slots, rot)
+
+    def decode_attention_quant(self, q, fmt, k_parts, v_parts, block_tables, seq_lens, window,
+                               scale):
+        from tokenmill.kernels.lib import KV_FORMATS
+
+        if fmt not in KV_FORMATS or q.device.type != "cpu" or q.shape[-1] % 32:
+            return None
+        return self.lib.decode_attention_quant(q, fmt, k_parts, v_parts, block_tables,
+                                               seq_lens, window, scale)
 
     def prefill_attention(self, q, k_cache, v_cache, block_table, num_computed, window, scale):
         """bf16 only: float32 is the mode checked against transformers (logits within 1e-4),

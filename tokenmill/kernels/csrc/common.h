@@ -57,6 +57,24 @@ inline float half_to_f(uint16_t h) {
   return f;
 }
 
+// float32 -> IEEE half, round to nearest even (what PyTorch's .to(torch.float16) does);
+// overflow to inf, NaN stays a NaN.
+inline uint16_t f_to_half(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const uint32_t sign = (u >> 16) & 0x8000;
+  u &= 0x7FFFFFFF;
+  if (u >= 0x7F800000) return static_cast<uint16_t>(sign | (u > 0x7F800000 ? 0x7E00 : 0x7C00));
+  if (u >= 0x477FF000) return static_cast<uint16_t>(sign | 0x7C00);  // rounds past 65504
+  if (u < 0x38800000) {  // subnormal half (or zero): round 2**-24 units
+    float a;
+    std::memcpy(&a, &u, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.f)));
+  }
+  u += 0xFFF + ((u >> 13) & 1);  // round the 13 dropped bits to nearest even
+  return static_cast<uint16_t>(sign | ((u - 0x38000000) >> 13));
+}
+
 template <typename T> inline T from_f(float v);
 template <> inline float from_f<float>(float v) { return v; }
 template <> inline bf16 from_f<bf16>(float v) { return to_bf16(v); }

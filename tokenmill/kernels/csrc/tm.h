@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 3
+#define TM_ABI_VERSION 4
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -99,6 +99,26 @@ TM_API void tm_prefill_attention(int dtype, const void* q, int64_t n_new, int64_
                                  int64_t block_size, int64_t kv_heads,
                                  const int64_t* block_table, int64_t num_computed,
                                  int64_t window, float scale, void* out);
+/* One layer's quantized paged K or V (layers/kv_quant.py): codes (blocks, block_size, kv_heads,
+ * width) and fp16 scales (and int4's minimums) per token and head; see attention_quant.cpp. */
+enum { TM_KV_INT8 = 1, TM_KV_INT4 = 2 };
+typedef struct {
+  int32_t format;
+  const void* codes;
+  const uint16_t* scale;
+  const uint16_t* zero; /* int4 only */
+} tm_kv_pages;
+/* quantize x (tokens, kv_heads, head_dim <= 256) float32 into the pages at slots (tokens,);
+ * int4 rotates by `rotation` (head_dim, head_dim) first */
+TM_API void tm_kv_store(int format, const float* x, int64_t tokens, int64_t kv_heads,
+                        int64_t head_dim, const float* rotation, const int64_t* slots,
+                        const tm_kv_pages* pages);
+/* decode attention as tm_decode_attention, on a quantized cache; q and out float32 */
+TM_API void tm_decode_attention_quant(const float* q, const tm_kv_pages* k, const tm_kv_pages* v,
+                                      int64_t block_size, int64_t kv_heads,
+                                      const int64_t* block_tables, int64_t max_blocks,
+                                      const int64_t* seq_lens, int64_t batch, int64_t heads,
+                                      int64_t head_dim, int64_t window, float scale, float* out);
 /* every decoder layer of a decode-only step: x (batch, hidden) holds the embeddings and
  * receives the final norm's output; caches (layers, blocks, block_size, kv_heads, head_dim) */
 TM_API void tm_decode_stack(const tm_decoder* model, void* x, int64_t batch,

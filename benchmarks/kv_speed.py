@@ -1,0 +1,70 @@
+"""Decode speed by KV cache dtype: a step of 16 sequences with 2,048 tokens of context each,
+and one sequence at ~8K tokens (8,150: the model's limit is 8,192), default model, same run;
+only steps after every prompt is in are timed. Quantized caches are written and read in
+place by the kernels (kernels/csrc/kv_store.cpp, attention_quant.cpp). Prints a table and
+ends with one JSON line.
+
+    python benchmarks/kv_speed.py [--dtypes bfloat16,int8,int4] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def step_ms(kv: str, seqs: int, context: int, threads: int, new: int = 32) -> float:
+    """Median inter-token latency of `seqs` sequences decoding together after `context`-token
+    prompts (distinct, so nothing is shared through the prefix cache)."""
+    from tokenmill import LLM, SamplingParams
+
+    per_token = 2 * 30 * 3 * 64 * 2  # bf16 bytes of SmolLM2-135M: enough for every dtype
+    llm = LLM("smollm2-135m-instruct", kv_cache_dtype=kv, max_num_seqs=seqs,
+              max_model_len=context + new + 8, num_threads=threads,
+              kv_cache_memory=seqs * (context + new + 32) * per_token,
+              max_num_batched_tokens=2048)
+    rng = random.Random(0)
+    prompts = [{"prompt_token_ids": [rng.randrange(100, 40000) for _ in range(context)]}
+               for _ in range(seqs)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True),
+                        use_tqdm=False)
+    # only the steps after every prompt was in: each then decodes all sequences together
+    done = max(o.metrics.first_token_time for o in outs)
+    gaps = [b - a for o in outs for a, b in zip(o.metrics.token_times, o.metrics.token_times[1:])
+            if a >= done]
+    return 1e3 * statistics.median(gaps)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", default="bfloat16,int8,int4")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    from tokenmill.kernels.isa import describe_cpu
+
+    rows = {}
+    for kv in args.dtypes.split(","):
+        rows[kv] = {"batch16_ctx2048_ms": step_ms(kv, 16, 2048, args.threads),
+                    "single_ctx8192_ms": step_ms(kv, 1, 8150, args.threads)}
+        print(f"{kv}: done", file=sys.stderr)
+    base = rows.get("bfloat16")
+    print(f"{describe_cpu()}, {args.threads} threads, SmolLM2-135M-Instruct (default weights)")
+    print(f"{'kv dtype':<10}{'16 x 2048 step ms':>19}{'vs bf16':>9}{'1 x 8192 ITL ms':>17}"
+          f"{'vs bf16':>9}")
+    for kv, r in rows.items():
+        a = r["batch16_ctx2048_ms"] / base["batch16_ctx2048_ms"] if base else float("nan")
+        b = r["single_ctx8192_ms"] / base["single_ctx8192_ms"] if base else float("nan")
+        print(f"{kv:<10}{r['batch16_ctx2048_ms']:>19.1f}{a:>8.2f}x"
+              f"{r['single_ctx8192_ms']:>17.2f}{b:>8.2f}x")
+    print(json.dumps({"benchmark": "kv_speed", "cpu": describe_cpu(), "threads": args.threads,
+                      "results": rows}, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
