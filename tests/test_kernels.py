@@ -273,8 +273,9 @@ def test_argmax(kops, n):
     assert torch.equal(kops.argmax(x), x.argmax(-1))
 
 
-def greedy(path, dtype, use_kernels, prompts):
-    llm = LLM(str(path), dtype=dtype, use_kernels=use_kernels, max_num_batched_tokens=32)
+def greedy(path, dtype, use_kernels, prompts, kv_cache_dtype="auto"):
+    llm = LLM(str(path), dtype=dtype, use_kernels=use_kernels, max_num_batched_tokens=32,
+              kv_cache_dtype=kv_cache_dtype)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], llm
@@ -324,6 +325,28 @@ def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch):
             m.setattr(llama.LlamaModel, "_fused_decoder", lambda *a: None)
             layered, _ = greedy(path, "float32", True, prompts)
         assert fused == layered, arch
+
+
+@pytest.mark.parametrize("kv", ["int8", "int4"])
+def test_fused_decode_on_quantized_pages_equals_layer_by_layer(tmp_path, monkeypatch, kv):
+    """The fused decode step writing and reading int8 / int4 pages (int4: q and the output
+    rotated in C++) against the layer-by-layer path on the same cache format."""
+    from tests.conftest import save_tiny_model
+    from tokenmill.layers.fused_decode import FusedDecoder
+    from tokenmill.models import llama
+
+    prompts = random_prompts(4, 3, 40, seed=11)
+    save_tiny_model(tmp_path, "qwen3", head_dim=32)
+    calls = []
+    real = FusedDecoder.__call__
+    with monkeypatch.context() as m:
+        m.setattr(FusedDecoder, "__call__", lambda *a: calls.append(1) or real(*a))
+        fused, _ = greedy(tmp_path, "float32", True, prompts, kv)
+    assert len(calls) >= 15
+    with monkeypatch.context() as m:
+        m.setattr(llama.LlamaModel, "_fused_decoder", lambda *a: None)
+        layered, _ = greedy(tmp_path, "float32", True, prompts, kv)
+    assert fused == layered
 
 
 def test_float16_model_runs_op_by_op(tiny_llama):

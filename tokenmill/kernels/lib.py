@@ -13,7 +13,7 @@ import torch
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 4
+ABI_VERSION = 5
 _P, _I = c_void_p, c_int64
 
 
@@ -41,7 +41,9 @@ class Decoder(ctypes.Structure):
                 ("heads", c_int64), ("kv_heads", c_int64), ("head_dim", c_int64),
                 ("intermediate", c_int64), ("eps", c_float), ("scale", c_float),
                 ("layers", POINTER(Layer)), ("final_norm", c_void_p), ("cos_sin", c_void_p),
-                ("max_positions", c_int64)]
+                ("max_positions", c_int64), ("kv_format", ctypes.c_int32),
+                ("k_scale", c_void_p), ("k_zero", c_void_p), ("v_scale", c_void_p),
+                ("v_zero", c_void_p), ("kv_rotation", c_void_p)]
 
 
 _SIGNATURES = {

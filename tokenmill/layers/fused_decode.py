@@ -54,6 +54,7 @@ class FusedDecoder:
     def __init__(self, lib: klib.KernelLib, w: DecoderWeights) -> None:
         self.lib = lib
         self.dtype = w.final_norm.dtype
+        self.head_dim = w.head_dim
         linears = [lin for layer in w.layers for lin in (layer.qkv, layer.o, layer.gate_up,
                                                          layer.down)]
         prepared = [lin.prepared() for lin in linears]
@@ -74,13 +75,24 @@ class FusedDecoder:
             ctypes.cast(layers, ctypes.POINTER(klib.Layer)), _ptr(w.final_norm),
             _ptr(w.cos_sin), w.cos_sin.shape[1])
 
-    def accepts(self, x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.dtype == self.dtype and x.shape[0] <= self.max_rows
+    def accepts(self, x: torch.Tensor, cache) -> bool:
+        """x's batch, on this KV cache: the model's dtype, or int8 / int4 pages."""
+        return (x.device.type == "cpu" and x.dtype == self.dtype and x.shape[0] <= self.max_rows
+                and (cache.lossless(x.dtype) or cache.format.name in klib.KV_FORMATS))
 
     def __call__(self, x, positions, ctx) -> torch.Tensor:
         """x: (decodes, hidden) embeddings of a decode-only step -> the final norm's output."""
         cache = ctx.kv_cache
-        return self.lib.decode_stack(self.struct, x, positions, cache.k[0], cache.v[0],
+        fmt, st = cache.format, self.struct
+        st.kv_format = klib.KV_FORMATS[fmt.name] if fmt.quantized else 0
+        if fmt.quantized:  # codes (and per-token scales) of every layer, and the rotation
+            st.k_scale, st.v_scale = cache.k[1].data_ptr(), cache.v[1].data_ptr()
+            st.k_zero = cache.k[2].data_ptr() if len(cache.k) > 2 else None
+            st.v_zero = cache.v[2].data_ptr() if len(cache.v) > 2 else None
+            if fmt.rotated:
+                self._rotation = fmt.rotation(self.head_dim, x.device).contiguous()
+                st.kv_rotation = self._rotation.data_ptr()
+        return self.lib.decode_stack(st, x, positions, cache.k[0], cache.v[0],
                                      ctx.slot_mapping, ctx.decode_block_tables,
                                      ctx.decode_seq_lens)
 

@@ -120,14 +120,13 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual)[0]
 
     def _fused_decoder(self, x: torch.Tensor, ctx: AttentionContext):
-        """All layers in one kernel call, for decode-only steps on a cache in the model's
-        dtype (when the op implementation has a fused decoder and this batch fits it)."""
-        if (ctx.prefills or ctx.num_decode_tokens != x.shape[0] or ctx.window_ctx is not None
-                or not ctx.kv_cache.lossless(x.dtype)):
+        """All layers in one kernel call, for decode-only steps (when the op implementation
+        has a fused decoder and it takes this batch and cache: FusedDecoder.accepts)."""
+        if ctx.prefills or ctx.num_decode_tokens != x.shape[0] or ctx.window_ctx is not None:
             return None
         if self._fused is None:
             self._fused = self.ops.fused_decoder(self.fused_decode_weights()) or False
-        return self._fused if self._fused and self._fused.accepts(x) else None
+        return self._fused if self._fused and self._fused.accepts(x, ctx.kv_cache) else None
 
     def fused_decode_weights(self) -> DecoderWeights:
         """This model's weights, named, for the fused decode step (layers/fused_decode.py)."""

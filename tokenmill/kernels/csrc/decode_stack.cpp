@@ -8,12 +8,54 @@
 namespace tm {
 
 struct Scratch {  // the step's activations, reused from call to call
-  std::vector<char> residual, h, qkv, q, k, v, attn, gate_up, act;
+  std::vector<char> residual, h, qkv, q, k, v, attn, gate_up, act, f32;
   template <typename T> T* get(std::vector<char>& b, int64_t n) {
     b.resize(n * sizeof(T));
     return reinterpret_cast<T*>(b.data());
   }
 };
+
+// rows (n, D) float32 <- rows @ R (or @ R^T), in place
+void rotate(float* x, int64_t n, int64_t D, const float* R, bool transpose) {
+  std::vector<float> r(D);
+  for (int64_t t = 0; t < n; ++t, x += D) {
+    for (int64_t j = 0; j < D; ++j) {
+      float acc = 0.f;
+      for (int64_t i = 0; i < D; ++i) acc += x[i] * (transpose ? R[j * D + i] : R[i * D + j]);
+      r[j] = acc;
+    }
+    std::copy(r.begin(), r.end(), x);
+  }
+}
+
+// One layer on a quantized cache: store the new K/V, attend; q/k/v/attn in the model's dtype.
+template <typename T>
+void quant_kv_layer(const tm_decoder& m, int64_t l, const T* q, const T* k, const T* v, T* attn,
+                    int64_t B, void* k_codes, void* v_codes, int64_t slots_per_layer, int64_t BS,
+                    const int64_t* slots, const int64_t* tables, int64_t max_blocks,
+                    const int64_t* lens, int64_t window, std::vector<char>& scratch) {
+  const int64_t Hk = m.kv_heads, D = m.head_dim, Hq = m.heads;
+  const bool int8 = m.kv_format == TM_KV_INT8;
+  const int64_t code_bytes = int8 ? D : D / 2, groups = int8 ? 1 : D / 16;
+  const int64_t rows = slots_per_layer * Hk;
+  auto pages = [&](void* codes, const uint16_t* scale, const uint16_t* zero) {
+    return tm_kv_pages{m.kv_format, static_cast<char*>(codes) + l * rows * code_bytes,
+                       scale + l * rows * groups, zero ? zero + l * rows * groups : nullptr};
+  };
+  const tm_kv_pages kp = pages(k_codes, m.k_scale, m.k_zero), vp = pages(v_codes, m.v_scale, m.v_zero);
+  scratch.resize(sizeof(float) * B * (2 * Hq + 2 * Hk) * D);
+  float* f = reinterpret_cast<float*>(scratch.data());
+  float *qf = f, *of = f + B * Hq * D, *kf = of + B * Hq * D, *vf = kf + B * Hk * D;
+  for (int64_t i = 0; i < B * Hk * D; ++i) kf[i] = to_f(k[i]), vf[i] = to_f(v[i]);
+  tm_kv_store(m.kv_format, kf, B, Hk, D, m.kv_rotation, slots, &kp);
+  tm_kv_store(m.kv_format, vf, B, Hk, D, m.kv_rotation, slots, &vp);
+  for (int64_t i = 0; i < B * Hq * D; ++i) qf[i] = to_f(q[i]);
+  if (m.kv_rotation) rotate(qf, B * Hq, D, m.kv_rotation, false);
+  tm_decode_attention_quant(qf, &kp, &vp, BS, Hk, tables, max_blocks, lens, B, Hq, D, window,
+                            m.scale, of);
+  if (m.kv_rotation) rotate(of, B * Hq, D, m.kv_rotation, true);
+  for (int64_t i = 0; i < B * Hq * D; ++i) attn[i] = from_f<T>(of[i]);
+}
 
 // cache rows[slots[t]] = x[t], rows of `width` values
 template <typename T>
@@ -55,12 +97,17 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
     }
     tm_rope(dt, q, B, m.heads, D, m.cos_sin, m.max_positions, positions);
     tm_rope(dt, k, B, m.kv_heads, D, m.cos_sin, m.max_positions, positions);
-    T* kc = k_cache + l * layer_elems;
-    T* vc = v_cache + l * layer_elems;
-    store_slots(kc, k, slots, B, kvs);
-    store_slots(vc, v, slots, B, kvs);
-    tm_decode_attention(dt, q, kc, vc, BS, m.kv_heads, tables, max_blocks, lens, B, m.heads, D,
-                        w.window, m.scale, attn);
+    if (m.kv_format) {
+      quant_kv_layer(m, l, q, k, v, attn, B, k_cache, v_cache, layer_elems / (m.kv_heads * D),
+                     BS, slots, tables, max_blocks, lens, w.window, s.f32);
+    } else {
+      T* kc = k_cache + l * layer_elems;
+      T* vc = v_cache + l * layer_elems;
+      store_slots(kc, k, slots, B, kvs);
+      store_slots(vc, v, slots, B, kvs);
+      tm_decode_attention(dt, q, kc, vc, BS, m.kv_heads, tables, max_blocks, lens, B, m.heads,
+                          D, w.window, m.scale, attn);
+    }
     tm_linear_fwd(dt, attn, B, &w.o, dt, h);
     tm_rms_norm(dt, res, w.post_norm, h, x, B, H, m.eps);  // res += attention output
     tm_linear_fwd(dt, x, B, &w.gate_up, dt, gu);

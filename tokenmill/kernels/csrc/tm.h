@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 4
+#define TM_ABI_VERSION 5
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -40,7 +40,9 @@ typedef struct {
   int64_t window; /* sliding window in tokens, 0 = none */
 } tm_layer;
 
-/* What the fused decode step reads: the layers, the final norm and the rotary table. */
+/* What the fused decode step reads: the layers, the final norm and the rotary table; and how
+ * its KV cache stores values: kv_format 0 = in the model's dtype, else TM_KV_INT8 / TM_KV_INT4
+ * with the caches' codes, their per-layer scales (and int4 minimums, and K/V rotation). */
 typedef struct {
   int32_t dtype;
   int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -49,6 +51,9 @@ typedef struct {
   const void* final_norm;
   const float* cos_sin; /* (2, max_positions, head_dim) float32 */
   int64_t max_positions;
+  int32_t kv_format;
+  const uint16_t *k_scale, *k_zero, *v_scale, *v_zero;
+  const float* kv_rotation; /* (head_dim, head_dim) or NULL */
 } tm_decoder;
 
 TM_API int tm_abi_version(void);
