@@ -1,0 +1,218 @@
+// tokenmill CPU kernels: the repacked layout of block-quantized weights (see quant.cpp) and
+// the register tiles that multiply one group of 16 outputs by up to 8 int8 input rows: AVX-512
+// VNNI, AVX2, and the portable loop that defines them.
+#pragma once
+
+#include "tm.h"
+#include "vec.h"
+
+namespace tm {
+
+constexpr int64_t kBlock = 32, kGroup = 16, kRowTile = 8, kRowChunk = 64;
+
+// bytes per (group, block): 64 of scales, then the codes
+inline int64_t group_bytes(int bits) { return 64 + (bits == 4 ? 256 : bits == 5 ? 320 : 512); }
+
+inline int code_at(const uint8_t* codes, int bits, int64_t o, int64_t k) {
+  if (bits == 8) return codes[64 * (k / 4) + 4 * o + k % 4];
+  int64_t kk = k % 16, p = 4 * o + kk % 4;  // byte p of chunk kk / 4
+  uint8_t b = codes[64 * (kk / 4) + p];
+  int c = k < 16 ? b & 0xF : b >> 4;
+  if (bits == 5) {  // fifth bits: 64-bit word 2 j (low nibbles) / 2 j + 1 (high), bit p
+    uint64_t word;
+    std::memcpy(&word, codes + 256 + 8 * (2 * (kk / 4) + (k >= 16)), 8);
+    c |= static_cast<int>((word >> p) & 1) << 4;
+  }
+  return c;
+}
+
+// y[r][0..16) = the 16 outputs of group `w` for input rows r < R (rows ld K in xq)
+template <int BITS>
+void tile_portable(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+                   const uint8_t* w, float (*y)[kGroup]) {
+  const int64_t blocks = K / kBlock;
+  for (int r = 0; r < R; ++r)
+    for (int o = 0; o < kGroup; ++o) y[r][o] = 0.f;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * group_bytes(BITS);
+    const auto* h = reinterpret_cast<const uint16_t*>(blk);
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xb = xq + r * K + b * kBlock;
+      for (int o = 0; o < kGroup; ++o) {
+        int32_t s = 0;
+        for (int k = 0; k < kBlock; ++k) s += code_at(blk + 64, BITS, o, k) * xb[k];
+        y[r][o] += half_to_f(h[o]) * dx[r * blocks + b] * static_cast<float>(s) +
+                   half_to_f(h[kGroup + o]) * sx[r * blocks + b];
+      }
+    }
+  }
+}
+
+#if defined(__AVX512VNNI__)
+template <int R, int BITS>
+void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+               float (*y)[kGroup]) {
+  const int64_t blocks = K / kBlock;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * group_bytes(BITS);
+    const uint8_t* codes = blk + 64;
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
+    __m512i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    const int8_t* xb = xq + b * kBlock;
+    auto x4 = [&](int r, int k) {  // 4 int8 of row r at k, in every lane
+      int32_t v;
+      std::memcpy(&v, xb + r * K + k, 4);
+      return _mm512_set1_epi32(v);
+    };
+    if constexpr (BITS != 8) {
+      const __m512i sixteen = _mm512_set1_epi8(16);
+      for (int j = 0; j < 4; ++j) {
+        __m512i v = _mm512_loadu_si512(codes + 64 * j);
+        __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        if constexpr (BITS == 5) {  // add 16 where the fifth bit is set
+          __mmask64 planes[2];
+          std::memcpy(planes, codes + 256 + 16 * j, 16);
+          lo = _mm512_mask_add_epi8(lo, planes[0], lo, sixteen);
+          hi = _mm512_mask_add_epi8(hi, planes[1], hi, sixteen);
+        }
+        for (int r = 0; r < R; ++r) {
+          s[r] = _mm512_dpbusd_epi32(s[r], lo, x4(r, 4 * j));
+          s[r] = _mm512_dpbusd_epi32(s[r], hi, x4(r, 16 + 4 * j));
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        __m512i v = _mm512_loadu_si512(codes + 64 * j);
+        for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], v, x4(r, 4 * j));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + b]));
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], acc[r]);
+}
+
+template <int BITS>
+void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+          const uint8_t* w, float (*y)[kGroup]) {
+  switch (R) {
+    case 1: return tile_vnni<1, BITS>(xq, dx, sx, K, w, y);
+    case 2: return tile_vnni<2, BITS>(xq, dx, sx, K, w, y);
+    case 3: return tile_vnni<3, BITS>(xq, dx, sx, K, w, y);
+    case 4: return tile_vnni<4, BITS>(xq, dx, sx, K, w, y);
+    case 5: return tile_vnni<5, BITS>(xq, dx, sx, K, w, y);
+    case 6: return tile_vnni<6, BITS>(xq, dx, sx, K, w, y);
+    case 7: return tile_vnni<7, BITS>(xq, dx, sx, K, w, y);
+    default: return tile_vnni<8, BITS>(xq, dx, sx, K, w, y);
+  }
+}
+constexpr bool kFastQuant = true;
+#elif defined(__AVX2__)
+// AVX2 without VNNI: VPMADDUBSW (unsigned codes x signed int8, adjacent pairs summed to int16)
+// then VPMADDWD by ones. 4-bit codes: a pair is at most 2 * 15 * 127, no saturation. 8-bit
+// codes go signed, c - 128, with their sign moved onto x (|c - 128| <= 128: a pair stays below
+// 2**15); the 128 * sum(q) share joins m: w = d (c - 128) + (m + 128 d). Half a group (8
+// outputs) per pass, up to 4 rows (16 ymm registers).
+// 32 bits -> 32 bytes: 16 where the bit is set, else 0
+inline __m256i fifth_bits(const uint8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
+  __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), select);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, select), _mm256_set1_epi8(16));
+}
+
+template <int R, int BITS>
+void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+               int half, float (*y)[kGroup]) {
+  const int64_t blocks = K / kBlock;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * group_bytes(BITS);
+    const uint8_t* codes = blk + 64 + 32 * half;
+    __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
+    __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * half)));
+    if constexpr (BITS == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m);
+    __m256i s[R];
+    for (int r = 0; r < R; ++r) s[r] = _mm256_setzero_si256();
+    const int8_t* xb = xq + b * kBlock;
+    auto x4 = [&](int r, int k) {
+      int32_t v;
+      std::memcpy(&v, xb + r * K + k, 4);
+      return _mm256_set1_epi32(v);
+    };
+    auto dot = [&](int r, __m256i a, __m256i x) {
+      s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
+    };
+    if constexpr (BITS != 8) {
+      for (int j = 0; j < 4; ++j) {
+        __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
+        __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+        if constexpr (BITS == 5) {
+          const uint8_t* planes = codes - 32 * half + 256 + 16 * j + 4 * half;  // this half's bits
+          lo = _mm256_or_si256(lo, fifth_bits(planes));
+          hi = _mm256_or_si256(hi, fifth_bits(planes + 8));
+        }
+        for (int r = 0; r < R; ++r) {
+          dot(r, lo, x4(r, 4 * j));
+          dot(r, hi, x4(r, 16 + 4 * j));
+        }
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        __m256i v = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j)), flip);
+        __m256i a = _mm256_abs_epi8(v);
+        for (int r = 0; r < R; ++r) dot(r, a, _mm256_sign_epi8(x4(r, 4 * j), v));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(dx[r * blocks + b]));
+      acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(sx[r * blocks + b]), acc[r]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), scale, acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(y[r] + 8 * half, acc[r]);
+}
+
+template <int BITS>
+void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+          const uint8_t* w, float (*y)[kGroup]) {
+  const int64_t blocks = K / kBlock;
+  for (int r0 = 0; r0 < R; r0 += 4) {
+    const int8_t* x = xq + r0 * K;
+    const float *d = dx + r0 * blocks, *s = sx + r0 * blocks;
+    for (int half = 0; half < 2; ++half) {
+      switch (std::min(4, R - r0)) {
+        case 1: tile_avx2<1, BITS>(x, d, s, K, w, half, y + r0); break;
+        case 2: tile_avx2<2, BITS>(x, d, s, K, w, half, y + r0); break;
+        case 3: tile_avx2<3, BITS>(x, d, s, K, w, half, y + r0); break;
+        default: tile_avx2<4, BITS>(x, d, s, K, w, half, y + r0);
+      }
+    }
+  }
+}
+constexpr bool kFastQuant = true;
+#else
+template <int BITS>
+void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+          const uint8_t* w, float (*y)[kGroup]) {
+  tile_portable<BITS>(R, xq, dx, sx, K, w, y);
+}
+constexpr bool kFastQuant = false;
+#endif
+
+}  // namespace tm
