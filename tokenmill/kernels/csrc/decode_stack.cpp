@@ -15,17 +15,29 @@ struct Scratch {  // the step's activations, reused from call to call
   }
 };
 
-// rows (n, D) float32 <- rows @ R (or @ R^T), in place
+// rows (n, D) float32 <- rows @ R (or @ R^T), in place; D <= 256
 void rotate(float* x, int64_t n, int64_t D, const float* R, bool transpose) {
-  std::vector<float> r(D);
-  for (int64_t t = 0; t < n; ++t, x += D) {
-    for (int64_t j = 0; j < D; ++j) {
-      float acc = 0.f;
-      for (int64_t i = 0; i < D; ++i) acc += x[i] * (transpose ? R[j * D + i] : R[i * D + j]);
-      r[j] = acc;
-    }
-    std::copy(r.begin(), r.end(), x);
+  std::vector<float> rt;
+  if (transpose) {  // x @ R^T as x @ (R^T): rows of R^T are R's columns
+    rt.resize(D * D);
+    for (int64_t i = 0; i < D; ++i)
+      for (int64_t j = 0; j < D; ++j) rt[j * D + i] = R[i * D + j];
+    R = rt.data();
   }
+  parallel_for(0, n, 16, [&](int64_t t0, int64_t t1) {
+    float r[256];
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = x + t * D;
+      std::fill(r, r + D, 0.f);
+      for (int64_t i = 0; i < D; ++i) {  // r += row[i] * R[i, :]
+        vec xi = vset1(row[i]);
+        int64_t j = 0;
+        for (; j + kLanes <= D; j += kLanes) vstore(r + j, vfma(xi, vload(R + i * D + j), vload(r + j)));
+        for (; j < D; ++j) r[j] += row[i] * R[i * D + j];
+      }
+      std::copy(r, r + D, row);
+    }
+  });
 }
 
 // One layer on a quantized cache: store the new K/V, attend; q/k/v/attn in the model's dtype.

@@ -5,6 +5,8 @@
 //   int4  x rotated (x @ R); per group of 16: for every clip (a, b) of (1, .95, .9, .85, .8)^2,
 //         lo = fp16(min * a), s = fp16(max((max * b - lo) / 15, 2**-14)),
 //         q = round((x - lo) / s) in [0, 15]; the first pair with the least squared error wins
+//         (in vectors here, rounding halves up where the encoder rounds them to even, and the
+//         error summed in another order: the same codes but for rare ties)
 #include "tm.h"
 #include "vec.h"
 
@@ -37,17 +39,20 @@ void store_int4(const float* x, int64_t D, uint8_t* codes, uint16_t* scale, uint
     for (float a : kClip)
       for (float b : kClip) {
         const float lo = rhalf(lo0 * a), s = rhalf(std::max((hi0 * b - lo) / 15.f, kMinScale));
-        float err = 0.f;
-        for (int j = 0; j < kG; ++j) {
-          float c = std::min(15.f, std::max(0.f, std::nearbyint((v[j] - lo) / s)));
-          float e = c * s + lo - v[j];
-          err += e * e;
+        const vec vlo = vset1(lo), vs = vset1(s), top = vset1(15.f), half = vset1(0.5f);
+        vec err = vzero();
+        for (int j = 0; j < kG; j += kLanes) {  // the group's values in whole vectors
+          vec x = vload(v + j);
+          vec c = vmin(top, vmax(vzero(), vfloor(vadd(vdiv(vsub(x, vlo), vs), half))));
+          vec e = vsub(vfma(c, vs, vlo), x);
+          err = vfma(e, e, err);
         }
-        if (err < best) best = err, best_lo = lo, best_s = s;
+        const float total = vsum(err);
+        if (total < best) best = total, best_lo = lo, best_s = s;
       }
     for (int j = 0; j < kG; ++j)
       q[g * kG + j] = static_cast<uint8_t>(
-          std::min(15.f, std::max(0.f, std::nearbyint((v[j] - best_lo) / best_s))));
+          std::min(15.f, std::max(0.f, std::floor((v[j] - best_lo) / best_s + 0.5f))));
     scale[g] = f_to_half(best_s);
     zero[g] = f_to_half(best_lo);
   }
@@ -62,7 +67,7 @@ extern "C" void tm_kv_store(int format, const float* x, int64_t tokens, int64_t 
                             int64_t head_dim, const float* rotation, const int64_t* slots,
                             const tm_kv_pages* pages) {
   const int64_t D = head_dim, groups = D / kG;
-  parallel_for(0, tokens * kv_heads, 64, [&](int64_t r0, int64_t r1) {
+  parallel_for(0, tokens * kv_heads, 8, [&](int64_t r0, int64_t r1) {
     float rot[kMaxKvHeadDim];
     for (int64_t r = r0; r < r1; ++r) {
       const float* src = x + r * D;
