@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tokenmill.kernels.isa import supported_isas
+
 REPO = Path(__file__).resolve().parents[1]
 
 # One PyTorch thread unless told otherwise: the models here are tiny or small, and on a busy
@@ -199,3 +201,23 @@ def make_server(make_engine):
     yield make
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(params=supported_isas())
+def kops(request):
+    """The kernel op implementation of each instruction set this CPU runs."""
+    from tokenmill.kernels import load_cpu_kernels
+    from tokenmill.layers import ops
+
+    lib = load_cpu_kernels(request.param)
+    assert lib is not None and lib.isa == request.param
+    return ops.KernelOps(lib)
+
+
+@pytest.fixture
+def threads(request):
+    """torch (and kernel) threads for the test: parametrize indirectly."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

@@ -2,6 +2,7 @@
 // kernels in the same order as the Python model (models/llama.py, LlamaDecoderLayer), reading
 // the named per-layer weights of a tm_decoder (tm.h); running the layer loop here saves the
 // Python overhead of ~15 small ops per layer, which dominates small models' decode steps.
+#include "internal.h"
 #include "tm.h"
 #include "vec.h"
 
@@ -14,31 +15,6 @@ struct Scratch {  // the step's activations, reused from call to call
     return reinterpret_cast<T*>(b.data());
   }
 };
-
-// rows (n, D) float32 <- rows @ R (or @ R^T), in place; D <= 256
-void rotate(float* x, int64_t n, int64_t D, const float* R, bool transpose) {
-  std::vector<float> rt;
-  if (transpose) {  // x @ R^T as x @ (R^T): rows of R^T are R's columns
-    rt.resize(D * D);
-    for (int64_t i = 0; i < D; ++i)
-      for (int64_t j = 0; j < D; ++j) rt[j * D + i] = R[i * D + j];
-    R = rt.data();
-  }
-  parallel_for(0, n, 16, [&](int64_t t0, int64_t t1) {
-    float r[256];
-    for (int64_t t = t0; t < t1; ++t) {
-      float* row = x + t * D;
-      std::fill(r, r + D, 0.f);
-      for (int64_t i = 0; i < D; ++i) {  // r += row[i] * R[i, :]
-        vec xi = vset1(row[i]);
-        int64_t j = 0;
-        for (; j + kLanes <= D; j += kLanes) vstore(r + j, vfma(xi, vload(R + i * D + j), vload(r + j)));
-        for (; j < D; ++j) r[j] += row[i] * R[i * D + j];
-      }
-      std::copy(r, r + D, row);
-    }
-  });
-}
 
 // One layer on a quantized cache: store the new K/V, attend; q/k/v/attn in the model's dtype.
 template <typename T>
@@ -62,10 +38,10 @@ void quant_kv_layer(const tm_decoder& m, int64_t l, const T* q, const T* k, cons
   tm_kv_store(m.kv_format, kf, B, Hk, D, m.kv_rotation, slots, &kp);
   tm_kv_store(m.kv_format, vf, B, Hk, D, m.kv_rotation, slots, &vp);
   for (int64_t i = 0; i < B * Hq * D; ++i) qf[i] = to_f(q[i]);
-  if (m.kv_rotation) rotate(qf, B * Hq, D, m.kv_rotation, false);
+  if (m.kv_rotation) rotate_rows(qf, B * Hq, D, m.kv_rotation, false);
   tm_decode_attention_quant(qf, &kp, &vp, BS, Hk, tables, max_blocks, lens, B, Hq, D, window,
                             m.scale, of);
-  if (m.kv_rotation) rotate(of, B * Hq, D, m.kv_rotation, true);
+  if (m.kv_rotation) rotate_rows(of, B * Hq, D, m.kv_rotation, true);
   for (int64_t i = 0; i < B * Hq * D; ++i) attn[i] = from_f<T>(of[i]);
 }
 

@@ -20,4 +20,7 @@ void packed_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int 
 void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
                   void* out);
 
+// kv_store.cpp: rows (n, D <= 256) float32 <- rows @ R, or @ R^T (the int4 KV rotation)
+void rotate_rows(float* x, int64_t n, int64_t D, const float* R, bool transpose);
+
 }  // namespace tm

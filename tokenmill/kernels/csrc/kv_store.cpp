@@ -7,6 +7,7 @@
 //         q = round((x - lo) / s) in [0, 15]; the first pair with the least squared error wins
 //         (in vectors here, rounding halves up where the encoder rounds them to even, and the
 //         error summed in another order: the same codes but for rare ties)
+#include "internal.h"
 #include "tm.h"
 #include "vec.h"
 
@@ -59,6 +60,31 @@ void store_int4(const float* x, int64_t D, uint8_t* codes, uint16_t* scale, uint
   for (int64_t j = 0; j < D / 2; ++j) codes[j] = q[j] | (q[j + D / 2] << 4);
 }
 
+// rows (n, D) float32 <- rows @ R (or @ R^T), in place; D <= 256
+void rotate_rows(float* x, int64_t n, int64_t D, const float* R, bool transpose) {
+  std::vector<float> rt;
+  if (transpose) {  // x @ R^T as x @ (R^T): rows of R^T are R's columns
+    rt.resize(D * D);
+    for (int64_t i = 0; i < D; ++i)
+      for (int64_t j = 0; j < D; ++j) rt[j * D + i] = R[i * D + j];
+    R = rt.data();
+  }
+  parallel_for(0, n, 16, [&](int64_t t0, int64_t t1) {
+    float r[256];
+    for (int64_t t = t0; t < t1; ++t) {
+      float* row = x + t * D;
+      std::fill(r, r + D, 0.f);
+      for (int64_t i = 0; i < D; ++i) {  // r += row[i] * R[i, :]
+        vec xi = vset1(row[i]);
+        int64_t j = 0;
+        for (; j + kLanes <= D; j += kLanes) vstore(r + j, vfma(xi, vload(R + i * D + j), vload(r + j)));
+        for (; j < D; ++j) r[j] += row[i] * R[i * D + j];
+      }
+      std::copy(r, r + D, row);
+    }
+  });
+}
+
 }  // namespace tm
 
 using namespace tm;
@@ -77,15 +103,9 @@ extern "C" void tm_kv_store(int format, const float* x, int64_t tokens, int64_t 
                    const_cast<uint16_t*>(pages->scale) + at);
         continue;
       }
-      if (rotation) {  // rot = src @ rotation, a row of rotation at a time
-        for (int64_t j = 0; j < D; ++j) rot[j] = 0.f;
-        for (int64_t i = 0; i < D; ++i) {
-          vec xi = vset1(src[i]);
-          int64_t j = 0;
-          for (; j + kLanes <= D; j += kLanes)
-            vstore(rot + j, vfma(xi, vload(rotation + i * D + j), vload(rot + j)));
-          for (; j < D; ++j) rot[j] += src[i] * rotation[i * D + j];
-        }
+      if (rotation) {
+        std::copy(src, src + D, rot);
+        rotate_rows(rot, 1, D, rotation, false);
         src = rot;
       }
       store_int4(src, D, static_cast<uint8_t*>(const_cast<void*>(pages->codes)) + at * (D / 2),
