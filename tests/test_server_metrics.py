@@ -9,7 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 HISTOGRAMS = ["time_to_first_token_seconds", "inter_token_latency_seconds",
               "e2e_request_latency_seconds"]
-GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"]
+GAUGES = ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+          "kv_cache_used_bytes"]
 COUNTERS = ["prompt_tokens", "generation_tokens", "prefix_cache_queries", "prefix_cache_hits",
             "num_preemptions"]
 
@@ -36,6 +37,8 @@ def test_every_named_metric_is_exposed(server):
         assert family.type == "counter"
         assert any(s.name == f"tokenmill:{name}_total" for s in family.samples)
         assert all(s.labels.get("model_name") == "tiny" for s in family.samples)
+    rss = found["process_resident_memory_bytes"].samples[0].value  # prometheus' process collector
+    assert 50 * 2**20 < rss < 64 * 2**30
 
 
 def test_histograms_and_counters_count_the_requests(server):
@@ -68,3 +71,4 @@ def test_histograms_and_counters_count_the_requests(server):
     assert delta("prefix_cache_hits_total") >= 2 * 16  # the 2nd and 3rd reuse block 1
     assert delta("e2e_request_latency_seconds_sum") >= delta("time_to_first_token_seconds_sum")
     assert after["tokenmill:kv_cache_usage_perc"] == 0.0
+    assert after["tokenmill:kv_cache_used_bytes"] == 0.0

@@ -1,6 +1,7 @@
 """`tokenmill bench latency`: one request at a time. Prefill speed (TTFT), decode speed (mean
 inter-token latency, tokens/s) and the memory bandwidth the decode achieves (weight bytes read
-per token / ITL). Prints a table, then one JSON line."""
+per token / ITL), and the process's resident memory: after start-up, at its start-up peak and
+at its peak over the whole run. Prints a table, then one JSON line."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ def run(args) -> int:
         weight_bytes_per_token,
         weight_format,
     )
+    from tokenmill.engine.memory import peak_rss
 
     llm = make_llm(args, max_num_seqs=1,
                    max_model_len=args.max_model_len or args.input_len + args.output_len + 16)
@@ -53,6 +55,9 @@ def run(args) -> int:
         "output_len": args.output_len, "ttft_s": ttft, "prefill_tok_s": args.input_len / ttft,
         "itl_s": itl, "decode_tok_s": 1.0 / itl, "e2e_s": e2e,
         "weight_bytes_per_token": weights, "achieved_gb_s": weights / itl / 1e9,
+        "rss_after_start_mib": engine.memory.rss / 2**20,
+        "startup_peak_rss_mib": engine.memory.peak_rss / 2**20,
+        "peak_rss_mib": peak_rss() / 2**20,
     }
     kernels = "on" if result["kernels"] else "off"
     print(f"model {args.model} ({result['dtype']} activations, weights {result['weights']}, "
@@ -63,5 +68,8 @@ def run(args) -> int:
     print(f"  end to end      {e2e:9.2f} s")
     print(f"  weights/token   {weights / 2**20:9.1f} MiB  -> {result['achieved_gb_s']:.1f} GB/s "
           "achieved in decode")
+    print(f"  resident        {result['rss_after_start_mib']:9.0f} MiB after start-up "
+          f"(start-up peak {result['startup_peak_rss_mib']:.0f}), peak "
+          f"{result['peak_rss_mib']:.0f} MiB")
     emit(result)
     return 0

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_manager import CacheGroup
+from tokenmill.engine.memory import NotEnoughMemory, available_memory, check_kv_budget, gib
 from tokenmill.layers.kv_cache import kv_bytes_per_token
 from tokenmill.layers.kv_quant import kv_format
 from tokenmill.models.config import ModelConfig
@@ -31,12 +31,6 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was requested but no CUDA GPU is available")
     return device
-
-
-def available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -97,6 +91,11 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
     groups = tuple(CacheGroup(layers, window, n, p)
                    for (layers, window), n, p in zip(specs, blocks, per_token))
     if blocks[0] * bs < max_len and specs[0][1] is None:
+        if config.max_model_len is not None:
+            raise NotEnoughMemory(
+                f"max_model_len ({max_len}) needs {gib(max_len * per_token[0])} of KV cache for "
+                f"one sequence, but the KV budget ({gib(blocks[0] * bs * per_token[0])}) holds "
+                f"{blocks[0] * bs} tokens: raise --kv-cache-memory or lower --max-model-len")
         logger.warning("max_model_len lowered from %d to %d: the KV cache holds only %d tokens",
                        max_len, blocks[0] * bs, blocks[0] * bs)
         max_len = blocks[0] * bs
@@ -122,6 +121,7 @@ def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], max_len: 
     wanted = sum(config.max_num_seqs * n * b for n, b in zip(per_seq, block_bytes))
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
+        check_kv_budget(budget, device)
     else:
         budget = int(available_memory(device) * DEFAULT_MEMORY_FRACTION)
         if device.type == "cpu":

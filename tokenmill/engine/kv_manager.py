@@ -85,14 +85,17 @@ class KVCacheManager:
         return sum(m.num_free_blocks for m in self.managers)
 
     @property
+    def used_bytes(self) -> int:
+        """Bytes of the blocks sequences hold (cached-but-free prefix blocks not counted)."""
+        return sum((m.num_blocks - m.num_free_blocks) * g.bytes_per_token * self.block_size
+                   for m, g in zip(self.managers, self.groups))
+
+    @property
     def usage(self) -> float:
         """Share of the cache's bytes held by sequences."""
-        used = total = 0
-        for m, g in zip(self.managers, self.groups):
-            block_bytes = g.bytes_per_token * self.block_size
-            used += (m.num_blocks - m.num_free_blocks) * block_bytes
-            total += m.num_blocks * block_bytes
-        return used / total
+        total = sum(m.num_blocks * g.bytes_per_token * self.block_size
+                    for m, g in zip(self.managers, self.groups))
+        return self.used_bytes / total
 
     def num_held_blocks(self, seq: Sequence) -> list[int]:
         return [m.num_held_blocks(seq) for m in self.managers]

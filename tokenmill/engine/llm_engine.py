@@ -13,6 +13,14 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.cache_config import plan_kv_cache, resolve_device
 from tokenmill.engine.host_memory import keep_freed_memory, release_freed_memory
 from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.engine.memory import (
+    MemoryReport,
+    available_memory,
+    check_model_fits,
+    peak_rss,
+    reset_peak_rss,
+    rss,
+)
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
@@ -35,11 +43,14 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cpu":
             keep_freed_memory()
+        reset_peak_rss()
         path = resolve_model(config.model)
+        check_model_fits(path, self.device)
         read_model_config(path)  # a GGUF's metadata is parsed once, here, and reused by the loaders
         clock.lap("metadata")
         backend = ops.select(config.use_kernels, self.device)
         clock.lap("kernel library")
+        rss_before_weights = rss()
         model, self.model_config, self.dtype = load_model(
             path, config.dtype, self.device, config.max_model_len, backend, config.quantization
         )
@@ -75,6 +86,12 @@ class LLMEngine:
         clock.lap("packing")
         self.startup = clock
         logger.info("ops: %s; %s", backend.name, clock.describe())
+        self.memory = MemoryReport(
+            model=max(0, rss() - rss_before_weights),
+            kv_budget=plan.nbytes, kv_tokens=plan.num_tokens,
+            kv_bytes_per_token=plan.bytes_per_token, max_model_len=plan.max_model_len,
+            rss=rss(), peak_rss=peak_rss(), available=available_memory(self.device))
+        logger.info(self.memory.describe())
         self.requests: dict[str, Request] = {}
         self._counter = 0
 
@@ -223,6 +240,7 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_cache_usage": bm.usage,
+            "kv_cache_used_bytes": bm.used_bytes,
             "num_free_blocks": bm.num_free_blocks,
             "num_blocks": bm.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,

@@ -153,7 +153,8 @@ def dequantize_tensor(data: np.ndarray, qtype: int, name: str) -> torch.Tensor:
 def gguf_weights(reader: GGUFFile, cfg: ModelConfig,
                  keep_quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | BlockQuant]]:
     """(Hugging Face name, float32 tensor), or BlockQuant for weight matrices of a native type
-    with keep_quantized."""
+    with keep_quantized. Each tensor is a copy; once the consumer has taken it, the file pages
+    it was read from are let go, so the mapped file never becomes resident all at once."""
     permute = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
         name = hf_name(t.name)
@@ -166,6 +167,7 @@ def gguf_weights(reader: GGUFFile, cfg: ModelConfig,
         elif permute and ".k_proj." in name:
             tensor = _unpermute(tensor, cfg.num_key_value_heads)
         yield name, tensor
+        reader.drop_pages()
 
 
 def _unpermute(tensor, heads: int):
@@ -186,5 +188,4 @@ def load_gguf(path: str, dtype: str, device: torch.device,
     torch_dtype = torch.bfloat16 if keep else resolve_dtype(dtype, cfg.torch_dtype, device)
     model = build_model(cfg, torch_dtype, device, max_positions or cfg.max_position_embeddings)
     model.load_weights(gguf_weights(reader, cfg, keep))
-    reader.drop_pages()
     return model, cfg, torch_dtype

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tokenmill.outputs import RequestOutput
@@ -41,6 +47,10 @@ class EngineStatsCollector:
             family = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=LABELS)
             family.add_metric([self.model_name], float(s[key]))
             yield family
+        family = GaugeMetricFamily("tokenmill:kv_cache_used_bytes",
+                                   "Bytes of KV cache blocks held by sequences.", labels=LABELS)
+        family.add_metric([self.model_name], float(s["kv_cache_used_bytes"]))
+        yield family
         for name, doc, key in (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
              "prefix_cache_queries"),
@@ -59,6 +69,7 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, CPU seconds, open fds
         self.ttft = Histogram("tokenmill:time_to_first_token_seconds",
                               "Time from arrival to the first generated token.", LABELS,
                               buckets=TTFT_BUCKETS, registry=r).labels(model_name)
