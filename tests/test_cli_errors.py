@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tokenmill import hub
 from tokenmill.cli import main
@@ -70,6 +72,30 @@ def test_more_broken_files_in_process(tmp_path, monkeypatch, capsys, name, data)
     (tmp_path / name).write_bytes(data)
     assert main(["generate", str(tmp_path / name), "hi"]) != 0
     assert_one_line_error(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage"])
+def test_broken_safetensors(tiny_model, tmp_path, monkeypatch, capsys, damage):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if damage == "truncate" else os.urandom(4096))
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path))
+    assert main(["generate", str(folder), "hi"]) != 0
+    assert_one_line_error(capsys.readouterr().err)
+
+
+def test_safetensors_reader_matches_the_library(tiny_model):
+    from safetensors.torch import load_file
+
+    from tokenmill.loaders.hf import hf_weights
+
+    ours = dict(hf_weights(tiny_model))
+    theirs = load_file(os.path.join(tiny_model, "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    for name, t in theirs.items():
+        assert ours[name].dtype == t.dtype and torch.equal(ours[name], t), name
 
 
 def test_unknown_model_name(tmp_path, monkeypatch, capsys):
