@@ -55,8 +55,13 @@ def run(args) -> int:
         raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
     engine_config = EngineConfig(model=args.model, **engine_kwargs(args))
     names = args.served_model_name or [args.model]
-    # built on the engine's step thread (see AsyncEngine): one OpenMP team in the process
-    app = create_app(lambda: LLMEngine(engine_config), names, api_key, args.max_queued_requests,
+
+    def build_engine() -> LLMEngine:  # on the engine's step thread (see AsyncEngine): one
+        engine = LLMEngine(engine_config)  # OpenMP team in the process
+        print(f"tokenmill serve: {engine.memory.describe()}", flush=True)
+        return engine
+
+    app = create_app(build_engine, names, api_key, args.max_queued_requests,
                      args.max_request_bytes)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
