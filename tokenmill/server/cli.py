@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 
 from tokenmill.commands.common import DEFAULT_MODEL, add_engine_args, engine_kwargs
 
@@ -58,7 +59,7 @@ def run(args) -> int:
 
     def build_engine() -> LLMEngine:  # on the engine's step thread (see AsyncEngine): one
         engine = LLMEngine(engine_config)  # OpenMP team in the process
-        print(f"tokenmill serve: {engine.memory.describe()}", flush=True)
+        print(f"tokenmill serve: {engine.memory.describe()}", file=sys.stderr, flush=True)
         return engine
 
     app = create_app(build_engine, names, api_key, args.max_queued_requests,
