@@ -57,6 +57,7 @@ COMPLETION_CASES = [
     ({"prompt": []}, 400, ["empty"], "prompt"),
     ({"prompt": "hi", "echo": True}, 400, ["echo"], "echo"),
     ({"prompt": "hi", "model": "gpt-17"}, 404, ["gpt-17", "does not exist"], "model"),
+    ('{"prompt": "a\\ud800b"}', 400, ["not valid Unicode", "U+D800", "character 1"], "prompt"),
 ]
 
 
@@ -76,6 +77,8 @@ CHAT_CASES = [
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, ["logprobs"],
      "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, ["nope"], "model"),
+    ('{"messages": [{"role": "user", "content": "a\\udfffb"}]}', 400,
+     ["not valid Unicode", "U+DFFF"], "messages"),
 ]
 
 

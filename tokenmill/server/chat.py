@@ -55,7 +55,7 @@ def _prompt(req: ChatCompletionRequest, model: ServedModel) -> dict:
     except ValueError as e:
         raise bad_request(e, param="messages") from e
     # The template already holds any BOS token, so do not add special tokens twice.
-    return model.encode(text, add_special_tokens=False)
+    return model.encode(text, add_special_tokens=False, param="messages")
 
 
 def _check_supported(req: ChatCompletionRequest) -> int | None:

@@ -39,10 +39,16 @@ class ServedModel:
                                 f"{', '.join(repr(n) for n in self.names)}",
                            param="model", code="model_not_found")
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> dict:
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> dict:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send prompts as token ids",
                            param="prompt")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON allows "\ud800" alone; no tokenizer takes it
+            raise APIError(400, f"the text is not valid Unicode: a lone surrogate "
+                                f"(U+{ord(text[e.start]):04X}) at character {e.start}",
+                           param=param) from None
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return {"prompt": text, "prompt_token_ids": ids}
 
