@@ -56,6 +56,8 @@ COMPLETION_CASES = [
     ({"prompt": [99999999]}, 400, ["token ids", "50257"], "prompt"),
     ({"prompt": []}, 400, ["empty"], "prompt"),
     ({"prompt": "hi", "echo": True}, 400, ["echo"], "echo"),
+    ({"prompt": "hi", "max_tokens": True}, 400, ["max_tokens", "integer"], "max_tokens"),
+    ({"prompt": "hi", "n": "2"}, 400, ["n", "integer"], "n"),
     ({"prompt": "hi", "model": "gpt-17"}, 404, ["gpt-17", "does not exist"], "model"),
     ('{"prompt": "a\\ud800b"}', 400, ["not valid Unicode", "U+D800", "character 1"], "prompt"),
 ]
@@ -90,7 +92,18 @@ def test_bad_chat_requests(server, body, status, words, param):
 
 def test_unknown_route_and_method_are_json(server):
     assert_error(httpx.get(f"{server.url}/v1/nothing"), 404)
-    assert_error(httpx.get(f"{server.url}/v1/completions"), 405)
+    r = httpx.get(f"{server.url}/v1/completions")
+    assert_error(r, 405)
+    assert r.headers["allow"] == "POST"
+
+
+def test_head_health_and_one_model(server):
+    r = httpx.head(f"{server.url}/health")
+    assert r.status_code == 200 and r.content == b""
+    name = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    card = httpx.get(f"{server.url}/v1/models/{name}").json()
+    assert card["id"] == name and card["object"] == "model"
+    assert_error(httpx.get(f"{server.url}/v1/models/nope"), 404, "nope", param="model")
 
 
 def test_streaming_request_errors_before_the_stream_starts(server):

@@ -59,7 +59,7 @@ def create_app(
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.include_router(_v1_routes(model))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         if not async_engine.is_running:
             return JSONResponse({"status": "engine not running"}, status_code=503)
@@ -87,5 +87,10 @@ def _v1_routes(model: ServedModel) -> APIRouter:
     async def models() -> ModelList:
         return ModelList(data=[ModelCard(id=n, max_model_len=model.max_model_len)
                                for n in model.names])
+
+    @v1.get("/models/{model_id:path}")
+    async def one_model(model_id: str) -> ModelCard:
+        model.check_model(model_id)
+        return ModelCard(id=model_id, max_model_len=model.max_model_len)
 
     return v1

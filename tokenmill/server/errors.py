@@ -92,7 +92,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        response = APIError(exc.status_code, str(exc.detail)).response()
+        response.headers.update(exc.headers or {})  # e.g. the Allow header of a 405
+        return response
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

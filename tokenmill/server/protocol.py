@@ -49,8 +49,10 @@ _SAMPLING_FIELDS = (
 class SamplingRequest(OpenAIModel):
     """Fields shared by /v1/completions and /v1/chat/completions. top_k, min_p,
     repetition_penalty, min_tokens, ignore_eos, stop_token_ids, include_stop_str_in_output and
-    skip_special_tokens are vLLM extensions (send them with the OpenAI client's extra_body)."""
+    skip_special_tokens are vLLM extensions (send them with the OpenAI client's extra_body).
+    Strict types: `max_tokens: true` or `"n": "2"` are errors, not 1 and 2."""
 
+    model_config = ConfigDict(extra="ignore", strict=True)
     model: str | None = None
     n: int = 1
     temperature: float | None = None
