@@ -48,6 +48,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     stop_strings: list[str] = field(init=False, repr=False)
+    stop_token_set: frozenset[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
@@ -99,11 +100,12 @@ class SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         _check(all(isinstance(s, str) and s for s in stop),
                f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        self.stop_strings = stop
+        self.stop_strings = list(dict.fromkeys(stop))  # each string checked once per token
         ids = list(self.stop_token_ids or [])
         _check(all(_is_int(t) and t >= 0 for t in ids),
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        self.stop_token_ids = ids
+        self.stop_token_ids = list(dict.fromkeys(ids))
+        self.stop_token_set = frozenset(self.stop_token_ids)  # O(1) per generated token
 
     @property
     def greedy(self) -> bool:
@@ -126,4 +128,4 @@ class SamplingParams:
         return child
 
 
-_INIT_FIELDS = [f for f in SamplingParams.__dataclass_fields__ if f != "stop_strings"]
+_INIT_FIELDS = [f for f, d in SamplingParams.__dataclass_fields__.items() if d.init]

@@ -3,6 +3,7 @@ chat templates rendered in a jinja2 sandbox (templates ship with models: untrust
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -50,6 +51,15 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for: the longest vocabulary entry
+        in UTF-8 bytes (byte-level BPE keeps one character per byte, sentencepiece's '▁' and
+        '<0x0A>' byte tokens only overestimate). A text longer than n x this cannot be <= n
+        tokens, which the server checks before tokenizing it."""
+        return max((len(t.encode()) for t in self.backend.get_vocab(with_added_tokens=True)),
+                   default=1)
+
     @classmethod
     def from_folder(cls, path: str) -> Tokenizer | None:
         """A Hugging Face folder's tokenizer.json (+ tokenizer_config.json, chat_template.jinja);
@@ -75,7 +85,13 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of text. Long texts go through encode_batch, which releases the GIL, so a
+        server thread tokenizing a big prompt does not stop the event loop (encode holds it)."""
+        if len(text) > 8192:
+            enc = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        else:
+            enc = self.backend.encode(text, add_special_tokens=add_special_tokens)
+        ids = enc.ids
         if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids

@@ -114,6 +114,7 @@ class LLMEngine:
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         self._validate_prompt(ids)
+        self._validate_params(params)
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
@@ -140,6 +141,12 @@ class LLMEngine:
                 f"prompt is {len(ids)} tokens but max_model_len is {self.config.max_model_len}; "
                 "the prompt must leave room for at least one generated token"
             )
+
+    def _validate_params(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:  # beyond the vocabulary they can never be sampled (nor banned by min_tokens)
+            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad[:3]}")
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)

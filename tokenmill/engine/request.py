@@ -97,7 +97,7 @@ class Request:
             seq.logprobs.append(logprobs)
         if not p.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
-        if token_id in p.stop_token_ids:
+        if token_id in p.stop_token_set:
             seq.stop_reason = token_id
             return "stop"
         text = self.texts[seq.seq_id]

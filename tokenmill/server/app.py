@@ -24,7 +24,7 @@ from tokenmill.server.protocol import (
     ModelCard,
     ModelList,
 )
-from tokenmill.server.serving import ServedModel
+from tokenmill.server.serving import RequestLimits, ServedModel
 
 
 def create_app(
@@ -33,6 +33,7 @@ def create_app(
     api_key: str | None = None,
     max_queued_requests: int | None = None,
     max_request_bytes: int = 16 * 2**20,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """An app serving engine (or the engine a function builds, on the engine's step thread:
     see AsyncEngine). app.state holds async_engine, model and metrics (for tests)."""
@@ -41,7 +42,7 @@ def create_app(
     metrics = ServerMetrics(names[0])
     async_engine.on_output = metrics.observe
     metrics.watch_engine(lambda: async_engine.stats)
-    model = ServedModel(async_engine, names)
+    model = ServedModel(async_engine, names, limits or RequestLimits())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -3,6 +3,7 @@ replies, as one JSON response or as Server-Sent Events (role first, then content
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator
 
@@ -50,8 +51,10 @@ def _prompt(req: ChatCompletionRequest, model: ServedModel) -> dict:
     if tok is None or not tok.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions",
                        param="messages")
+    messages = _messages(req)
+    model.check_text_size(sum(len(m["content"]) for m in messages), "messages")
     try:
-        text = tok.apply_chat_template(_messages(req), req.add_generation_prompt)
+        text = tok.apply_chat_template(messages, req.add_generation_prompt)
     except ValueError as e:
         raise bad_request(e, param="messages") from e
     # The template already holds any BOS token, so do not add special tokens twice.
@@ -79,7 +82,8 @@ async def create_chat_completion(req: ChatCompletionRequest, model: ServedModel,
     logprobs = _check_supported(req)
     max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                   else req.max_tokens)
-    prompt = _prompt(req, model)
+    model.limits.check(req)
+    prompt = await asyncio.to_thread(_prompt, req, model)  # the event loop runs on meanwhile
     model.check_length(prompt, max_tokens, "messages")
     params = sampling_params(req, max_tokens, logprobs)
     rid, created = random_id("chatcmpl"), int(time.time())

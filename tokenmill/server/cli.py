@@ -22,8 +22,14 @@ def add_parser(sub) -> None:
     g.add_argument("--port", type=int, default=8000, help="port (0 picks a free one)")
     g.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes "
                                      "(default: $TOKENMILL_API_KEY)")
-    g.add_argument("--max-queued-requests", type=int,
-                   help="requests allowed to wait for a batch slot; more get HTTP 429")
+    g.add_argument("--max-queued-requests", type=int, default=256,
+                   help="requests allowed to wait for a batch slot; more get HTTP 429 (256)")
+    g.add_argument("--max-stop", type=int, default=64,
+                   help="stop strings one request may give; more get HTTP 400 (64)")
+    g.add_argument("--max-stop-token-ids", type=int, default=1024,
+                   help="stop_token_ids one request may give; more get HTTP 400 (1024)")
+    g.add_argument("--max-prompts-per-request", type=int, default=128,
+                   help="prompts in one /v1/completions request; more get HTTP 400 (128)")
     g.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
                    help="largest request body accepted; larger ones get HTTP 413 (16 MiB)")
     g.add_argument("--served-model-name", nargs="+",
@@ -50,10 +56,13 @@ def run(args) -> int:
     from tokenmill.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.app import create_app
+    from tokenmill.server.serving import RequestLimits
 
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
-    if args.max_queued_requests is not None and args.max_queued_requests < 1:
-        raise ValueError(f"--max-queued-requests must be >= 1, got {args.max_queued_requests}")
+    for flag in ("max_queued_requests", "max_stop", "max_stop_token_ids",
+                 "max_prompts_per_request"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     engine_config = EngineConfig(model=args.model, **engine_kwargs(args))
     names = args.served_model_name or [args.model]
 
@@ -63,7 +72,8 @@ def run(args) -> int:
         return engine
 
     app = create_app(build_engine, names, api_key, args.max_queued_requests,
-                     args.max_request_bytes)
+                     args.max_request_bytes, RequestLimits(
+                         args.max_stop, args.max_stop_token_ids, args.max_prompts_per_request))
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):

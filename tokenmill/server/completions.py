@@ -3,6 +3,7 @@ as one JSON response or as Server-Sent Events."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncGenerator
 
@@ -53,7 +54,10 @@ async def create_completion(req: CompletionRequest, model: ServedModel, raw: Req
     arrival = time.perf_counter()
     model.check_model(req.model)
     _check_supported(req)
-    prompts = _prompts(req, model)
+    p = req.prompt
+    model.limits.check(req, len(p) if isinstance(p, list) and p and isinstance(p[0], str | list)
+                       else 1)
+    prompts = await asyncio.to_thread(_prompts, req, model)  # the event loop runs on meanwhile
     for prompt in prompts:
         model.check_length(prompt, req.max_tokens, "prompt")
     params = sampling_params(req, req.max_tokens, req.logprobs)

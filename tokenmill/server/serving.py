@@ -14,12 +14,36 @@ from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.protocol import PromptTokensDetails, SamplingRequest, Usage
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one request may ask for (flags of tokenmill serve). Stop strings are checked
+    against the new text of every generated token and stop ids against every token, so their
+    counts bound the work a request adds to every step; prompts per request bound how long one
+    request can occupy the batch ahead of others."""
+
+    max_stop: int = 64
+    max_stop_token_ids: int = 1024
+    max_prompts: int = 128
+
+    def check(self, req: SamplingRequest, num_prompts: int = 1) -> None:
+        stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        for name, count, limit in (("stop", len(stop), self.max_stop),
+                                   ("stop_token_ids", len(req.stop_token_ids or []),
+                                    self.max_stop_token_ids),
+                                   ("prompt", num_prompts, self.max_prompts)):
+            if count > limit:
+                what = "prompts" if name == "prompt" else "entries"
+                raise APIError(400, f"{name} has {count} {what}; this server accepts at most "
+                                    f"{limit} per request", param=name)
+
+
 @dataclass
 class ServedModel:
     """The engine behind the API and the names clients may call it by (the first is shown)."""
 
     engine: AsyncEngine
     names: list[str]
+    limits: RequestLimits = RequestLimits()
 
     @property
     def name(self) -> str:
@@ -43,6 +67,7 @@ class ServedModel:
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer: send prompts as token ids",
                            param="prompt")
+        self.check_text_size(len(text), param)
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:  # JSON allows "\ud800" alone; no tokenizer takes it
@@ -51,6 +76,15 @@ class ServedModel:
                            param=param) from None
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return {"prompt": text, "prompt_token_ids": ids}
+
+    def check_text_size(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing it, text that cannot fit in max_model_len tokens whatever
+        it says (no token stands for more than tokenizer.max_token_chars characters)."""
+        limit = self.max_model_len * self.tokenizer.max_token_chars
+        if chars > limit:
+            raise APIError(400, f"{param} is {chars} characters, more than max_model_len "
+                                f"({self.max_model_len}) tokens can hold (at most {limit} "
+                                f"characters for this tokenizer)", param=param)
 
     def check_length(self, prompt: dict, max_tokens: int | None, param: str) -> None:
         """Reject what cannot fit in max_model_len, saying how long it is."""
