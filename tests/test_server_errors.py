@@ -166,6 +166,21 @@ def test_oversized_body_is_413(make_server):
     assert httpx.get(f"{small.url}/health").status_code == 200
 
 
+def test_chunked_body_over_the_limit_is_413(make_server):
+    small = make_server(max_request_bytes=1000)
+
+    def chunks():  # no Content-Length: sent with Transfer-Encoding: chunked
+        yield b'{"prompt": "'
+        for _ in range(100):
+            yield b"x" * 100
+        yield b'", "max_tokens": 2}'
+
+    r = httpx.post(f"{small.url}/v1/completions", content=chunks(), timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert_error(r, 413, "limit of 1000")
+    assert post(small, "/v1/completions", {"prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
 def test_health_during_generation(server):
     """The event loop stays responsive while the step thread runs forward passes."""
     done = threading.Event()

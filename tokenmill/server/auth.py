@@ -41,7 +41,9 @@ class APIKeyMiddleware:
 
 
 class BodyLimitMiddleware:
-    """Refuses a request whose Content-Length exceeds max_bytes with 413, before reading it."""
+    """Refuses a request whose Content-Length exceeds max_bytes with 413, before reading it. A
+    body without one (chunked transfer encoding) is read here, counted as it arrives, refused
+    with 413 as soon as it passes max_bytes (the rest is never read), else handed on."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -55,4 +57,41 @@ class BodyLimitMiddleware:
                                       f"server's limit of {self.max_bytes} (--max-request-bytes)")
                 await error.response()(scope, receive, send)
                 return
+            if not length:
+                body = await self._read_capped(receive)
+                if body is None:
+                    error = APIError(413, f"request body is more than the server's limit of "
+                                          f"{self.max_bytes} bytes (--max-request-bytes)")
+                    await error.response()(scope, receive, send)
+                    return
+                receive = _replay(body, receive)
         await self.app(scope, receive, send)
+
+    async def _read_capped(self, receive: Receive) -> bytes | None:
+        """The whole body, or None as soon as it passes max_bytes."""
+        parts, seen = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return b"".join(parts)
+            parts.append(message.get("body", b""))
+            seen += len(parts[-1])
+            if seen > self.max_bytes:
+                return None
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that gives the app the body read already, then the connection's own
+    messages (a disconnect)."""
+    sent = False
+
+    async def replay() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
