@@ -52,6 +52,22 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     @functools.cached_property
+    def special_token_texts(self) -> list[str]:
+        """The text of every special added token (`<|im_end|>`, ...)."""
+        return [t.content for t in self.backend.get_added_tokens_decoder().values()
+                if t.special and t.content]
+
+    @functools.cached_property
+    def _plain_backend(self) -> BackendTokenizer:
+        plain = BackendTokenizer.from_str(self.backend.to_str())
+        plain.encode_special_tokens = True  # `<|im_end|>` in the input is text, not a token
+        return plain
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Token ids of text with special-token strings in it encoded as ordinary text."""
+        return self._plain_backend.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
     def max_token_chars(self) -> int:
         """An upper bound on the characters one token stands for: the longest vocabulary entry
         in UTF-8 bytes (byte-level BPE keeps one character per byte, sentencepiece's '▁' and

@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenmill.chat_encoding import encode_chat
 from tokenmill.engine.request_stream import RequestFailedError, RequestStream
 from tokenmill.outputs import RequestOutput
 from tokenmill.server.errors import APIError, bad_request
@@ -53,12 +54,13 @@ def _prompt(req: ChatCompletionRequest, model: ServedModel) -> dict:
                        param="messages")
     messages = _messages(req)
     model.check_text_size(sum(len(m["content"]) for m in messages), "messages")
+    model.check_unicode(messages, "messages")
     try:
-        text = tok.apply_chat_template(messages, req.add_generation_prompt)
+        ids = encode_chat(tok, messages, req.add_generation_prompt,
+                          model.limits.allow_special_in_content)
     except ValueError as e:
         raise bad_request(e, param="messages") from e
-    # The template already holds any BOS token, so do not add special tokens twice.
-    return model.encode(text, add_special_tokens=False, param="messages")
+    return {"prompt_token_ids": ids}
 
 
 def _check_supported(req: ChatCompletionRequest) -> int | None:

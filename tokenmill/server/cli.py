@@ -28,6 +28,9 @@ def add_parser(sub) -> None:
                    help="stop strings one request may give; more get HTTP 400 (64)")
     g.add_argument("--max-stop-token-ids", type=int, default=1024,
                    help="stop_token_ids one request may give; more get HTTP 400 (1024)")
+    g.add_argument("--allow-special-tokens-in-content", action="store_true",
+                   help="parse special-token text in chat messages (<|im_end|>) as control "
+                        "tokens; by default it is encoded as plain text")
     g.add_argument("--max-prompts-per-request", type=int, default=128,
                    help="prompts in one /v1/completions request; more get HTTP 400 (128)")
     g.add_argument("--max-request-bytes", type=int, default=16 * 2**20,
@@ -73,7 +76,8 @@ def run(args) -> int:
 
     app = create_app(build_engine, names, api_key, args.max_queued_requests,
                      args.max_request_bytes, RequestLimits(
-                         args.max_stop, args.max_stop_token_ids, args.max_prompts_per_request))
+                         args.max_stop, args.max_stop_token_ids, args.max_prompts_per_request,
+                         args.allow_special_tokens_in_content))
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
     if not api_key and args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -24,6 +24,8 @@ class RequestLimits:
     max_stop: int = 64
     max_stop_token_ids: int = 1024
     max_prompts: int = 128
+    # special-token text in chat message content (`<|im_end|>`) parsed as control tokens
+    allow_special_in_content: bool = False
 
     def check(self, req: SamplingRequest, num_prompts: int = 1) -> None:
         stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
@@ -68,14 +70,13 @@ class ServedModel:
             raise APIError(400, "this model has no tokenizer: send prompts as token ids",
                            param="prompt")
         self.check_text_size(len(text), param)
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # JSON allows "\ud800" alone; no tokenizer takes it
-            raise APIError(400, f"the text is not valid Unicode: a lone surrogate "
-                                f"(U+{ord(text[e.start]):04X}) at character {e.start}",
-                           param=param) from None
+        _check_unicode(text, param)
         ids = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return {"prompt": text, "prompt_token_ids": ids}
+
+    def check_unicode(self, messages: list[dict], param: str) -> None:
+        for m in messages:
+            _check_unicode(m["content"], param)
 
     def check_text_size(self, chars: int, param: str) -> None:
         """Refuse, before tokenizing it, text that cannot fit in max_model_len tokens whatever
@@ -107,6 +108,15 @@ class ServedModel:
             raise APIError(503, str(e)) from e
         except ValueError as e:
             raise bad_request(e, default_param="prompt") from e
+
+
+def _check_unicode(text: str, param: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON allows "\ud800" alone; no tokenizer takes it
+        raise APIError(400, f"the text is not valid Unicode: a lone surrogate "
+                            f"(U+{ord(text[e.start]):04X}) at character {e.start}",
+                       param=param) from None
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None,
