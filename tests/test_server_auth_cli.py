@@ -33,7 +33,8 @@ def assert_401(r: httpx.Response) -> None:
 def test_missing_or_wrong_key_is_401(server, headers):
     for method, path, body in [("POST", "/v1/completions", {"prompt": "hi"}),
                                ("POST", "/v1/chat/completions", {"messages": []}),
-                               ("GET", "/v1/models", None)]:
+                               ("GET", "/v1/models", None), ("GET", "/docs", None),
+                               ("GET", "/openapi.json", None)]:
         assert_401(httpx.request(method, server.url + path, json=body, headers=headers))
     # Malformed JSON from a stranger still gets 401: the key is checked first.
     assert_401(httpx.post(server.url + "/v1/completions", content=b"{", headers=headers))
@@ -51,6 +52,14 @@ def test_right_key_works_and_health_is_open(server):
     assert r.usage.completion_tokens >= 1
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_openapi_schema_describes_the_400s_actually_sent(server):
+    schema = httpx.get(f"{server.url}/openapi.json",
+                       headers={"Authorization": f"Bearer {KEY}"}).json()
+    responses = schema["paths"]["/v1/completions"]["post"]["responses"]
+    assert "400" in responses and "422" not in responses
+    assert "HTTPValidationError" not in schema.get("components", {}).get("schemas", {})
 
 
 def test_serve_command(tiny_model):

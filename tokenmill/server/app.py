@@ -8,6 +8,7 @@ from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -59,18 +60,38 @@ def create_app(
     if api_key:  # added last: runs first
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.include_router(_v1_routes(model))
+    app.openapi = lambda: _openapi(app)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_running:
             return JSONResponse({"status": "engine not running"}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    app.add_api_route("/health", health, methods=["HEAD"], include_in_schema=False)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, with its 422 validation responses described as what this server
+    sends instead: 400 with an OpenAI error body (errors.py)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for operations in schema.get("paths", {}).values():
+            for op in operations.values():
+                responses = op.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses["400"] = {"description": "Invalid request: an OpenAI error body "
+                                                       "naming the problem and its param"}
+        schema.get("components", {}).get("schemas", {}).pop("HTTPValidationError", None)
+        schema.get("components", {}).get("schemas", {}).pop("ValidationError", None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def _v1_routes(model: ServedModel) -> APIRouter:
