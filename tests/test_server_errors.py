@@ -78,6 +78,8 @@ CHAT_CASES = [
      ["only text"], None),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400, ["logprobs"],
      "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50},
+     400, ["top_logprobs must be", "50"], "top_logprobs"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "nope"}, 404, ["nope"], "model"),
     ('{"messages": [{"role": "user", "content": "a\\udfffb"}]}', 400,
      ["not valid Unicode", "U+DFFF"], "messages"),

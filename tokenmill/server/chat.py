@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from tokenmill.chat_encoding import encode_chat
 from tokenmill.engine.request_stream import RequestFailedError, RequestStream
 from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import MAX_LOGPROBS
 from tokenmill.server.errors import APIError, bad_request
 from tokenmill.server.logprobs import chat_logprobs
 from tokenmill.server.protocol import (
@@ -74,6 +75,9 @@ def _check_supported(req: ChatCompletionRequest) -> int | None:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                            f"{req.top_logprobs}", param="top_logprobs")
     return (req.top_logprobs or 0) if req.logprobs else None
 
 
