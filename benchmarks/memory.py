@@ -27,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import emit_json, machine, print_table  # noqa: E402
-from benchmarks.serve_compare import free_port, wait_healthy  # noqa: E402
+from benchmarks.serve_compare import free_port, stop, wait_healthy  # noqa: E402
 
 MiB = 2**20
 ESSAY = (ROOT / "benchmarks" / "data" / "mill_essay.txt").read_text().split("\n\n")
@@ -91,11 +91,7 @@ def server(name: str, cmd: list[str], port: int, tokens: int) -> dict:
         row["peak_mib"] = status(proc.pid, "VmHWM") / MiB
         return row
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
 def oversized_budget(model: str) -> dict:

@@ -37,6 +37,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM, then SIGKILL after 30 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 600) -> float:
     start = time.perf_counter()
     while time.perf_counter() - start < timeout:
@@ -97,11 +106,7 @@ def bench(args, name: str, cmd: list[str], port: int) -> dict:
         result["startup_s"] = startup
         return result
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         print(f"({name} server log: {log.name})")
 
 

