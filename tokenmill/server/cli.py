@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
                    help="largest request body accepted; larger ones get HTTP 413 (16 MiB)")
     g.add_argument("--served-model-name", nargs="+",
                    help="model name(s) clients use; the first one is reported")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds requests in flight may take to finish before "
+                        "they end with an error event (30)")
     g.add_argument("--log-level", default="warning",
                    choices=["critical", "error", "warning", "info", "debug"])
     add_engine_args(p)
@@ -60,6 +63,7 @@ def run(args) -> int:
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.app import create_app
     from tokenmill.server.serving import RequestLimits
+    from tokenmill.server.shutdown import DrainingServer
 
     api_key = args.api_key or os.environ.get("TOKENMILL_API_KEY")
     for flag in ("max_queued_requests", "max_stop", "max_stop_token_ids",
@@ -86,5 +90,5 @@ def run(args) -> int:
     shown = f"[{host}]" if ":" in host else host
     print(f"tokenmill serve: {names[0]!r} on http://{shown}:{port}/v1", flush=True)
     config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run(sockets=[sock])
+    DrainingServer(config, app.state.async_engine, args.shutdown_timeout).run(sockets=[sock])
     return 0
