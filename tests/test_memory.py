@@ -104,3 +104,17 @@ def test_gguf_load_peak_stays_near_the_final_size(default_model):
     # what loading added at its peak vs what stays: the file's pages are let go tensor by
     # tensor (all of them at the end, this was 2.2x: 268 vs 122 MiB)
     assert m["peak"] - m["base"] <= 1.8 * (m["rss"] - m["base"]), m
+
+
+def test_model_check_counts_only_the_files_it_loads(tiny_model, tmp_path):
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model, folder)
+    with open(folder / "pytorch_model.bin", "wb") as f:  # sparse: takes no disk
+        f.truncate(available_memory() + 2**30)
+    LLM(str(folder), dtype="float32", kv_cache_memory=MiB)  # never reads the .bin
+    with open(folder / "model.safetensors", "r+b") as f:
+        f.truncate(available_memory() + 2**30)
+    with pytest.raises(NotEnoughMemory, match="do not fit in the available memory"):
+        LLM(str(folder), dtype="float32", kv_cache_memory=MiB)

@@ -65,7 +65,7 @@ class Tokenizer:
 
     def encode_as_text(self, text: str) -> list[int]:
         """Token ids of text with special-token strings in it encoded as ordinary text."""
-        return self._plain_backend.encode(text, add_special_tokens=False).ids
+        return _encode(self._plain_backend, text, add_special_tokens=False)
 
     @functools.cached_property
     def max_token_chars(self) -> int:
@@ -101,13 +101,7 @@ class Tokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of text. Long texts go through encode_batch, which releases the GIL, so a
-        server thread tokenizing a big prompt does not stop the event loop (encode holds it)."""
-        if len(text) > 8192:
-            enc = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
-        else:
-            enc = self.backend.encode(text, add_special_tokens=add_special_tokens)
-        ids = enc.ids
+        ids = _encode(self.backend, text, add_special_tokens)
         if add_special_tokens and self.add_bos_token and (not ids or ids[0] != self.bos_token_id):
             ids.insert(0, self.bos_token_id)
         return ids
@@ -133,6 +127,14 @@ class Tokenizer:
             template, messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs,
         )
+
+
+def _encode(backend: BackendTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """Long texts go through encode_batch, which releases the GIL, so a server thread
+    tokenizing a big prompt does not stop the event loop (encode holds it)."""
+    if len(text) > 8192:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
 
 def _read_json(path: str) -> dict:

@@ -95,9 +95,12 @@ def check_model_fits(path: str, device: torch.device) -> None:
     """Refuse a model whose files alone exceed the available memory, before reading them."""
     if device.type != "cpu":
         return
-    files = [path] if os.path.isfile(path) else [
-        os.path.join(path, f) for f in os.listdir(path)
-        if f.endswith((".safetensors", ".gguf", ".bin"))] if os.path.isdir(path) else []
+    from tokenmill.loaders.hf import safetensors_files
+
+    try:  # a folder: the shards the loader will read (never a .bin beside them)
+        files = safetensors_files(path) if os.path.isdir(path) else [path]
+    except ValueError:
+        return  # no weights: the loader says so
     size = sum(os.path.getsize(f) for f in files)
     avail = available_memory(device)
     if size + RUNTIME_RESERVE > avail:
