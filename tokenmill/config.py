@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tokenmill.layers.kv_quant import KV_FORMATS
+from tokenmill.spec_decode.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("int8", "int4", "int4-g128")  # quantization/rtn.py
@@ -44,8 +45,13 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     use_kernels: bool = True  # C++ CPU kernels when they build; False = PyTorch reference ops
+    # speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": 4, ...},
+    # {"model": PATH, "num_speculative_tokens": 4}, a JSON string of either, or None
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
         if not isinstance(self.model, str) or not self.model:
             raise ValueError(f"model must be a non-empty path or name, got {self.model!r}")
         if self.dtype not in DTYPES:

@@ -18,15 +18,24 @@ LogprobsList = list[dict[int, Logprob]]
 
 @dataclass
 class RequestMetrics:
-    """Timestamps (time.perf_counter seconds) and prefix-cache counts of one request."""
+    """Timestamps (time.perf_counter seconds), prefix-cache and speculative-decoding counts of
+    one request. token_times has one entry per step that gave the request tokens;
+    tokens_per_step how many (more than one when drafted tokens were accepted)."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
+    tokens_per_step: list[int] = field(default_factory=list)
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0  # drafted tokens verified (speculative decoding)
+    num_accepted_tokens: int = 0  # of those, accepted
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def num_computed_prompt_tokens(self) -> int:
@@ -45,8 +54,11 @@ class RequestMetrics:
 
     @property
     def mean_inter_token_latency(self) -> float | None:
-        gaps = self.inter_token_latencies
-        return sum(gaps) / len(gaps) if gaps else None
+        """Time per generated token after the first (a step that gave k tokens counts k)."""
+        tokens = sum(self.tokens_per_step[1:]) or len(self.token_times) - 1
+        if tokens < 1:
+            return None
+        return (self.token_times[-1] - self.token_times[0]) / tokens
 
     @property
     def e2e_latency(self) -> float | None:

@@ -43,11 +43,13 @@ def run(args) -> int:
     for _ in range(args.num_iters):
         out = llm.generate(random_prompt(rng, vocab, args.input_len), params, use_tqdm=False)[0]
         m = out.metrics
-        runs.append((m.time_to_first_token, m.mean_inter_token_latency, m.e2e_latency))
+        runs.append((m.time_to_first_token, m.mean_inter_token_latency, m.e2e_latency,
+                     m.num_draft_tokens, m.num_accepted_tokens, len(m.token_times)))
     ttft = statistics.median(r[0] for r in runs)
     itl = statistics.median(r[1] for r in runs)
     e2e = statistics.median(r[2] for r in runs)
     weights = weight_bytes_per_token(engine.runner.model)
+    drafted, accepted, steps = (sum(r[i] for r in runs) for i in (3, 4, 5))
     result = {
         "benchmark": "latency", "model": args.model, "dtype": str(engine.dtype).split(".")[-1],
         "kernels": engine.runner.kernels, "weights": weight_format(engine.runner.model),
@@ -58,6 +60,10 @@ def run(args) -> int:
         "rss_after_start_mib": engine.memory.rss / 2**20,
         "startup_peak_rss_mib": engine.memory.peak_rss / 2**20,
         "peak_rss_mib": peak_rss() / 2**20,
+        "speculative": engine.spec.config.method if engine.spec else None,
+        "draft_tokens": drafted, "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "tokens_per_step": args.output_len * args.num_iters / steps,
     }
     kernels = "on" if result["kernels"] else "off"
     print(f"model {args.model} ({result['dtype']} activations, weights {result['weights']}, "
@@ -66,6 +72,10 @@ def run(args) -> int:
     print(f"  TTFT            {ttft * 1e3:9.1f} ms   ({result['prefill_tok_s']:.0f} prompt tok/s)")
     print(f"  mean ITL        {itl * 1e3:9.2f} ms   ({result['decode_tok_s']:.1f} tok/s)")
     print(f"  end to end      {e2e:9.2f} s")
+    if engine.spec is not None:
+        rate = f"{100 * result['acceptance_rate']:.1f}%" if drafted else "n/a"
+        print(f"  speculative     {engine.spec.config.method}: {accepted} of {drafted} drafted "
+              f"tokens accepted ({rate}), {result['tokens_per_step']:.2f} tokens per step")
     print(f"  weights/token   {weights / 2**20:9.1f} MiB  -> {result['achieved_gb_s']:.1f} GB/s "
           "achieved in decode")
     print(f"  resident        {result['rss_after_start_mib']:9.0f} MiB after start-up "

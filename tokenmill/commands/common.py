@@ -35,6 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_bytes, help="KV cache budget, e.g. 2GiB")
     g.add_argument("--kv-cache-dtype", default="auto")
     g.add_argument("--threads", type=int, help="CPU threads for PyTorch")
+    g.add_argument("--speculative-config", metavar="JSON",
+                   help='speculative decoding, as vLLM: \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+                        '\'{"model": "PATH", "num_speculative_tokens": 4}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -46,7 +50,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_prefix_caching=not args.no_prefix_caching,
         enable_chunked_prefill=not args.no_chunked_prefill,
         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
-        num_threads=args.threads,
+        num_threads=args.threads, speculative_config=args.speculative_config,
     )
 
 
@@ -83,4 +87,6 @@ def format_stats(out) -> str:
     if m.mean_inter_token_latency is not None:
         parts.append(f"mean ITL {m.mean_inter_token_latency * 1e3:.1f} ms")
         parts.append(f"{1.0 / m.mean_inter_token_latency:.1f} tok/s")
+    if m.num_draft_tokens:
+        parts.append(f"drafts {m.num_accepted_tokens}/{m.num_draft_tokens} accepted")
     return " | ".join(parts)

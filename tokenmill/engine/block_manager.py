@@ -181,6 +181,17 @@ class BlockManager:
         if self.primary:
             seq.block_hashes = []
 
+    def truncate(self, seq: Sequence) -> None:
+        """Release blocks beyond what seq's tokens need: a verify step allocated slots for its
+        drafts, and rejected drafts' K/V are garbage past num_computed_tokens (never hashed:
+        commit() only registers blocks of computed, verified tokens)."""
+        table = self.table(seq)
+        keep = self.blocks_for_tokens(seq.num_tokens)
+        while len(table) > keep:
+            block_id = table.pop()
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
+
     def release_outside_window(self, seq: Sequence, window: int) -> None:
         """Free blocks no future query can see: every later query sits at a position
         >= num_computed_tokens and attends only the last `window` positions. Call after

@@ -43,9 +43,12 @@ class KVCacheManager:
     def hit_tokens(self, hits: list[list[int]] | None) -> int:
         return len(hits[0]) * self.block_size if hits else 0
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits=None) -> bool:
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits=None,
+                     reserve: int = 0) -> bool:
+        """Whether the tokens fit, with `reserve` blocks of every pool left free after."""
         hits = hits or [()] * len(self.managers)
-        return all(m.can_allocate(seq, num_new_tokens, h) for m, h in zip(self.managers, hits))
+        return all(m.num_blocks_needed(seq, num_new_tokens, h) + reserve <= m.num_free_blocks
+                   for m, h in zip(self.managers, hits))
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hits=None) -> None:
         if not self.can_allocate(seq, num_new_tokens, hits):
@@ -66,6 +69,11 @@ class KVCacheManager:
         for m, g in zip(self.managers, self.groups):
             if g.window is not None:
                 m.release_outside_window(seq, g.window)
+
+    def truncate(self, seq: Sequence) -> None:
+        """Release the tail blocks past seq's tokens (drafted tokens that were rejected)."""
+        for m in self.managers:
+            m.truncate(seq)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         for m in reversed(self.managers):

@@ -25,6 +25,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.spec_decode import SpecDecoder
 from tokenmill.engine.startup import Stopwatch
 from tokenmill.layers import ops
 from tokenmill.loaders import load_model
@@ -84,6 +85,12 @@ class LLMEngine:
         if self.device.type == "cpu":
             release_freed_memory()  # the load's temporaries (see host_memory)
         clock.lap("packing")
+        self.spec = None
+        if config.speculative_config is not None:
+            self.spec = SpecDecoder(config.speculative_config, config.max_model_len,
+                                    engine_config=config,
+                                    vocab_size=self.model_config.vocab_size, device=self.device)
+            clock.lap("speculative decoding")
         self.startup = clock
         logger.info("ops: %s; %s", backend.name, clock.describe())
         self.memory = MemoryReport(
@@ -156,12 +163,16 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         req.pending_children = []
+        if self.spec is not None:
+            self.spec.finished(req.seqs)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.spec is not None:
+            self.spec.propose(self.scheduler.running)  # drafts for decoding sequences
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
@@ -170,6 +181,8 @@ class LLMEngine:
         result = self.runner.execute(sched.scheduled, rows, targets)
         now = time.perf_counter()
         for seq, n in sched.scheduled:
+            if seq.spec_token_ids:
+                continue  # its counter moves once its drafts are verified (below)
             seq.num_computed_tokens += n
             self.kv_manager.commit(seq)  # prefix-cache new full blocks, free slid-out ones
             entries = result.prompt_logprobs.get(seq.seq_id)
@@ -178,15 +191,24 @@ class LLMEngine:
                     seq.prompt_logprobs.append(None)
                 seq.prompt_logprobs += entries
         touched: dict[str, Request] = {}
+        emitted: dict[str, int] = {}  # most tokens one of the request's sequences got
         for seq in targets:
             req = self.requests[seq.request_id]
             if seq in req.pending_children:
                 req.pending_children.remove(seq)
                 self.kv_manager.fork(req.parent, seq)
                 self.scheduler.add_running(seq)
-        for seq, token, logprobs in zip(targets, result.token_ids, result.logprobs):
+        for seq, tokens, logprobs, accepted in zip(targets, result.token_ids, result.logprobs,
+                                                   result.num_accepted):
             req = touched.setdefault(seq.request_id, self.requests[seq.request_id])
-            reason = req.append_token(seq, token, logprobs)
+            reason = None
+            for token, lp in zip(tokens, logprobs):
+                reason = req.append_token(seq, token, lp)
+                if reason is not None:
+                    break  # tokens after a stop are dropped
+            emitted[req.request_id] = max(emitted.get(req.request_id, 0), len(tokens))
+            if seq.spec_token_ids:
+                self._verified(seq, req, accepted)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 req.on_finish(seq)
@@ -195,11 +217,23 @@ class LLMEngine:
             m = req.metrics
             m.first_token_time = m.first_token_time or now
             m.token_times.append(now)
+            m.tokens_per_step.append(emitted[req.request_id])
             if req.finished:
                 m.finished_time = now
                 del self.requests[req.request_id]
+                if self.spec is not None:
+                    self.spec.finished(req.seqs)
             outputs.append(req.output())
         return outputs
+
+    def _verified(self, seq: Sequence, req: Request, accepted: int) -> None:
+        """After a verify step: the last token and the accepted drafts have K/V (the new last
+        token does not); rejected drafts' slots are rolled back."""
+        self.spec.record(seq, req.metrics, len(seq.spec_token_ids), accepted)
+        seq.spec_token_ids, seq.spec_draft_probs = [], None
+        seq.num_computed_tokens = seq.num_tokens - 1
+        self.kv_manager.truncate(seq)
+        self.kv_manager.commit(seq)
 
     def _sample_plan(self, scheduled, now) -> tuple[list[int], list[Sequence]]:
         """Which scheduled entries sample a token this step, and for which sequences."""
@@ -253,4 +287,5 @@ class LLMEngine:
             "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": bm.primary.num_queried_tokens,
             "prefix_cache_hits": bm.primary.num_hit_tokens,
+            **(self.spec.stats() if self.spec is not None else {}),
         }

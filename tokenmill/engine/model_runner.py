@@ -2,7 +2,9 @@
 runs the forward pass and samples.
 
 Tokens of a step are packed decode-first: sequences computing exactly one token form the
-decode batch, then each multi-token (prefill) chunk follows.
+decode batch, then each multi-token (prefill) chunk follows. A sequence verifying drafted
+tokens (speculative decoding) is 1 + drafts decode rows at consecutive positions: every row
+reads the paged cache like a decode token, and its logits score the next draft.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PrefillChunk
 from tokenmill.layers.kv_cache import KVCache
 from tokenmill.layers.linear import Linear
+from tokenmill.layers.rejection_sampler import Span, verify
 from tokenmill.layers.sampler import Sampler, top_logprobs
 from tokenmill.models.config import ModelConfig
 
 
 @dataclass
 class StepResult:
-    token_ids: list[int]  # one per sampled sequence, in the order asked
-    logprobs: list  # per sampled sequence: dict[token id, Logprob] or None
+    token_ids: list[list[int]]  # per sampled sequence, in the order asked: its new tokens
+    logprobs: list[list]  # per sampled sequence, per new token: dict[id, Logprob] or None
+    num_accepted: list[int] = field(default_factory=list)  # per sampled sequence: drafts kept
     prompt_logprobs: dict[int, list] = field(default_factory=dict)  # seq_id -> new entries
 
 
@@ -78,15 +82,15 @@ class ModelRunner:
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Packed input ids, positions and the AttentionContext; plus, per scheduled entry,
         the index of its first token in the packed batch."""
-        order = [i for i, (_, n) in enumerate(scheduled) if n == 1]
-        num_decodes = len(order)
-        order += [i for i, (_, n) in enumerate(scheduled) if n != 1]
+        order = [i for i, (seq, n) in enumerate(scheduled) if _decodes(seq, n)]
+        num_decodes = sum(scheduled[i][1] for i in order)
+        order += [i for i, (seq, n) in enumerate(scheduled) if not _decodes(seq, n)]
         ids, positions, starts = [], [], [0] * len(scheduled)
         for i in order:
             seq, n = scheduled[i]
             first = seq.num_computed_tokens
             starts[i] = len(ids)
-            ids += seq.token_ids[first : first + n]
+            ids += seq.step_token_ids(first, n)
             positions += range(first, first + n)
         ctxs = [self._group_context(g, scheduled, order, num_decodes, starts)
                 for g in range(len(self.kv_caches))]
@@ -102,17 +106,19 @@ class ModelRunner:
             seq, n = scheduled[i]
             first, table = seq.num_computed_tokens, seq.block_tables[group]
             slots += [table[p // bs] * bs + p % bs for p in range(first, first + n)]
-            if n != 1:
+            if not _decodes(seq, n):
                 prefills.append(PrefillChunk(starts[i], starts[i] + n, first, self._tensor(table)))
         ctx = AttentionContext(self.kv_caches[group], self._tensor(slots), num_decodes,
                                prefills=prefills)
-        if num_decodes:
-            tables = [scheduled[i][0].block_tables[group] for i in order[:num_decodes]]
+        if num_decodes:  # one row per decode token; a verify step's rows see one more each
+            tables, lens = [], []
+            for seq, n in (scheduled[i] for i in order if _decodes(*scheduled[i])):
+                tables += [seq.block_tables[group]] * n
+                lens += range(seq.num_computed_tokens + 1, seq.num_computed_tokens + n + 1)
             # NULL_BLOCK (-1, slid out of the window) indexes the last block: read but masked.
             width = max(len(t) for t in tables)
             ctx.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
-            ctx.decode_seq_lens = self._tensor(
-                [scheduled[i][0].num_computed_tokens + 1 for i in order[:num_decodes]])
+            ctx.decode_seq_lens = self._tensor(lens)
         return ctx
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
@@ -132,19 +138,23 @@ class ModelRunner:
         a token for sample_seqs[j] (several entries may share a row: n > 1 forks)."""
         input_ids, positions, ctx, starts = self.prepare(scheduled)
         hidden = self.forward(input_ids, positions, ctx)  # (tokens, hidden)
-        last = [starts[i] + scheduled[i][1] - 1 for i in sample_rows]
+        spans = []  # per sampled sequence: its rows (a verify step has one per draft, + 1)
+        for i, seq in zip(sample_rows, sample_seqs):
+            owner, n = scheduled[i]
+            drafts = seq.spec_token_ids if seq is owner else []
+            spans.append(Span(starts[i] + n - 1 - len(drafts), drafts,
+                              seq.spec_draft_probs if drafts else None))
+        sample_at = [s.first + j for s in spans for j in range(len(s.drafts) + 1)]
         plp_rows, plp_plan = self._prompt_logprob_rows(scheduled, starts)
-        rows = sorted(set(last) | set(plp_rows))
+        rows = sorted(set(sample_at) | set(plp_rows))
         where = {r: k for k, r in enumerate(rows)}
         logits = self.logits(hidden[self._tensor(rows)]) if rows else None
         result = StepResult([], [])
         if sample_seqs:  # rows in sampling order (no copy when they already are)
-            order = [where[r] for r in last]
+            order = [where[r] for r in sample_at]
             sample_logits = logits if order == list(range(len(rows))) else logits[
                 self._tensor(order)]
-            meta = sampling_metadata(sample_seqs, self.eos_ids, self.device)
-            out = self.sampler(sample_logits, meta)
-            result.token_ids, result.logprobs = out.token_ids, out.logprobs
+            result = self._sample(sample_logits, spans, sample_seqs)
         for seq, positions_, first_row in plp_plan:
             lp = logits[self._tensor([where[r] for r in positions_])].log_softmax(-1)
             k = seq.params.prompt_logprobs
@@ -152,6 +162,21 @@ class ModelRunner:
                        for j in range(len(positions_))]
             result.prompt_logprobs[seq.seq_id] = entries
         return result
+
+    def _sample(self, logits: torch.Tensor, spans: list[Span], seqs: list[Sequence]
+                ) -> StepResult:
+        if not any(s.drafts for s in spans):  # one row, one token per sequence
+            out = self.sampler(logits, sampling_metadata(seqs, self.eos_ids, self.device))
+            return StepResult([[t] for t in out.token_ids], [[lp] for lp in out.logprobs],
+                              [0] * len(seqs))
+        row_seqs, offsets, rebased = [], [], []
+        for span, seq in zip(spans, seqs):
+            rebased.append(Span(len(row_seqs), span.drafts, span.draft_probs))
+            row_seqs += [seq] * (len(span.drafts) + 1)
+            offsets += range(len(span.drafts) + 1)
+        meta = sampling_metadata(row_seqs, self.eos_ids, self.device, offsets)
+        out = verify(self.sampler, logits, meta, rebased)
+        return StepResult(out.token_ids, out.logprobs, out.num_accepted)
 
     def _prompt_logprob_rows(self, scheduled, starts):
         """Rows whose logits score the next prompt token, for sequences that want prompt
@@ -170,3 +195,8 @@ class ModelRunner:
             rows += positions_
             plan.append((seq, positions_, lo))
         return rows, plan
+
+
+def _decodes(seq: Sequence, n: int) -> bool:
+    """Whether a scheduled entry runs as decode rows: one token, or a verify step's drafts."""
+    return n == 1 or bool(seq.spec_token_ids)

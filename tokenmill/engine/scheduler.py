@@ -5,6 +5,8 @@ unfinished prompt takes what the budget allows), then waiting sequences are admi
 order while budget, max_num_seqs and free KV blocks allow. When a running sequence needs a block
 and none is free, the newest running sequence is preempted: its blocks are freed and it goes
 back to the front of the queue to recompute its tokens later (prefix-cache hits make that cheap).
+A decoding sequence with drafted tokens (speculative decoding) asks for 1 + drafts tokens; its
+drafts are cut to what the budget and free blocks allow rather than preempting anyone for them.
 """
 
 from __future__ import annotations
@@ -71,7 +73,11 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            n = self._reserve(seq, min(seq.num_uncomputed_tokens, budget), out.preempted)
+            if seq.spec_token_ids:
+                self._trim_drafts(seq, budget)
+            want = seq.num_uncomputed_tokens + len(seq.spec_token_ids)
+            n = self._reserve(seq, min(want, budget), out.preempted)
+            drop_drafts(seq, max(n - 1, 0))
             if n:
                 out.scheduled.append((seq, n))
                 budget -= n
@@ -91,6 +97,15 @@ class Scheduler:
                 return 0
         self.block_manager.allocate(seq, fit)
         return fit
+
+    def _trim_drafts(self, seq: Sequence, budget: int) -> None:
+        """Keep the drafts that fit the step's budget and the free blocks, leaving a block for
+        every other running sequence, so drafts never make the scheduler preempt anyone."""
+        keep = min(len(seq.spec_token_ids), budget - 1)
+        reserve = len(self.running)
+        while keep and not self.block_manager.can_allocate(seq, 1 + keep, reserve=reserve):
+            keep //= 2
+        drop_drafts(seq, keep)
 
     def _fit(self, seq: Sequence, n: int, hits=None) -> int:
         """The most of n tokens that free blocks allow, halving the chunk (chunked prefill
@@ -129,8 +144,17 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
+        drop_drafts(seq, 0)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+
+def drop_drafts(seq: Sequence, keep: int) -> None:
+    """Keep only seq's first `keep` drafted tokens (and their draft probabilities)."""
+    if keep < len(seq.spec_token_ids):
+        seq.spec_token_ids = seq.spec_token_ids[:keep]
+        if seq.spec_draft_probs is not None:
+            seq.spec_draft_probs = seq.spec_draft_probs[:keep] if keep else None

@@ -22,6 +22,8 @@ class Sequence:
     A step computes tokens [num_computed_tokens, num_computed_tokens + k). When that reaches
     num_tokens, the last position's logits sample the next token. Prefill, chunked prefill,
     decode, prefix-cache hits and recompute after preemption are all just values of k.
+    Speculative decoding too: drafted tokens (spec_token_ids, not yet verified) extend a decode
+    step to 1 + len(drafts) tokens, and only the verified ones join token_ids.
     """
 
     def __init__(
@@ -51,6 +53,8 @@ class Sequence:
         self.generator = None  # per-sequence torch.Generator when params.seed is set
         self.logprobs: list = []
         self.prompt_logprobs: list = []
+        self.spec_token_ids: list[int] = []  # drafted for this step, verified by it
+        self.spec_draft_probs = None  # (drafts, vocab) draft-model probabilities, or None
 
     def __repr__(self) -> str:
         return (
@@ -85,6 +89,16 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """The prompt is done and the last sampled token is the only one without K/V."""
+        return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
+
+    def step_token_ids(self, first: int, n: int) -> list[int]:
+        """The n tokens a step feeds from position first: known tokens, then drafts."""
+        ids = self.token_ids[first : first + n]
+        return ids + self.spec_token_ids[: n - len(ids)] if len(ids) < n else ids
 
     @property
     def is_finished(self) -> bool:

@@ -128,42 +128,65 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # logits: (rows, vocab) float32, one row per sequence to sample
-        raw_logprobs = logits.log_softmax(-1) if any(k is not None for k in meta.logprobs) else None
-        if any(meta.banned) or any(p is not None for p in meta.penalties):
-            logits = logits.clone()  # the caller's logits stay as they were
-            apply_banned(logits, meta.banned)
-            apply_penalties(logits, meta.penalties)
+        raw_logprobs = self.raw_logprobs(logits, meta)
+        logits = self.processed(logits, meta)
         tokens = self.ops.argmax(logits)
         greedy = [t == 0 for t in meta.temperatures]
         if not all(greedy):
-            tokens = self._draw(logits, meta, greedy, tokens)
+            sampled = self.draw(self.probs(logits, meta), meta.generators)
+            tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
         token_ids = tokens.tolist()
         logprobs = [None if k is None else top_logprobs(raw_logprobs[i], k, token_ids[i])
                     for i, k in enumerate(meta.logprobs or [None] * len(meta))]
         return SamplerOutput(token_ids, logprobs)
 
-    def _draw(self, logits, meta: SamplingMetadata, greedy, greedy_tokens) -> torch.Tensor:
+    # ---- the pieces, shared with verification of drafted tokens (rejection_sampler.py) -------
+    @staticmethod
+    def raw_logprobs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor | None:
+        """The model's own log-probabilities, when some row asks for logprobs."""
+        return logits.log_softmax(-1) if any(k is not None for k in meta.logprobs) else None
+
+    @staticmethod
+    def processed(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """min_tokens bans and penalties applied (a copy; the caller's logits stay)."""
+        if any(meta.banned) or any(p is not None for p in meta.penalties):
+            logits = logits.clone()
+            apply_banned(logits, meta.banned)
+            apply_penalties(logits, meta.penalties)
+        return logits
+
+    @staticmethod
+    def probs(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """(rows, vocab) the distribution each row samples from: temperature (greedy rows at
+        1), min-p, top-k, top-p; filtered tokens have probability 0."""
         dev = logits.device
-        temps = torch.tensor([1.0 if g else t for t, g in zip(meta.temperatures, greedy)],
-                             device=dev)
+        temps = torch.tensor([t if t > 0 else 1.0 for t in meta.temperatures], device=dev)
         top_k = torch.tensor([max(k, 0) for k in meta.top_k], device=dev)
         top_p = torch.tensor(meta.top_p, device=dev)
         min_p = torch.tensor(meta.min_p, device=dev)
-        logits = filter_logits(logits / temps[:, None], top_k, top_p, min_p)
-        cdf = logits.softmax(-1).cumsum(-1)  # (rows, vocab)
-        u = torch.empty(len(meta), device=dev)
-        shared = [i for i, g in enumerate(meta.generators) if g is None]
+        return filter_logits(logits / temps[:, None], top_k, top_p, min_p).softmax(-1)
+
+    def uniforms(self, generators: list[torch.Generator | None], device) -> torch.Tensor:
+        """One uniform number in [0, 1) per entry: from the entry's own generator (seeded
+        requests), else from the sampler's, drawn together."""
+        u = torch.empty(len(generators), device=device)
+        shared = [i for i, g in enumerate(generators) if g is None]
         if shared:
-            u[shared] = torch.rand(len(shared), device=dev, generator=self.generator)
-        for i, gen in enumerate(meta.generators):
+            u[shared] = torch.rand(len(shared), device=device, generator=self.generator)
+        for i, gen in enumerate(generators):
             if gen is not None:
-                u[i] = torch.rand(1, device=dev, generator=gen)[0]
-        # The first token whose cumulative probability exceeds u * total; u is kept below the
-        # total so that a zero-probability tail (masked tokens) can never be picked.
+                u[i] = torch.rand(1, device=device, generator=gen)[0]
+        return u
+
+    def draw(self, weights: torch.Tensor, generators: list) -> torch.Tensor:
+        """One token per row of non-negative weights (probabilities, or a residual that is
+        not normalized): the first whose cumulative weight exceeds u * total. u is kept below
+        the total so that a zero-weight tail (masked tokens) can never be picked."""
+        cdf = weights.cumsum(-1)  # (rows, vocab)
+        u = self.uniforms(generators, weights.device)
         total = cdf[:, -1:]
         u = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-        sampled = torch.searchsorted(cdf, u, right=True)[:, 0]
-        return torch.where(torch.tensor(greedy, device=dev), greedy_tokens, sampled)
+        return torch.searchsorted(cdf, u, right=True)[:, 0]
 
 
 def top_logprobs(row: torch.Tensor, num: int, token_id: int) -> dict[int, Logprob]:

@@ -16,7 +16,11 @@ from prometheus_client import (
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
 
 from tokenmill.outputs import RequestOutput
 
@@ -62,6 +66,31 @@ class EngineStatsCollector:
             family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=LABELS)
             family.add_metric([self.model_name], float(s[key]))
             yield family
+        if "spec_accepted_counts" in s:
+            yield from self._spec_decode(s)
+
+    def _spec_decode(self, s: dict):
+        """Speculative decoding (only when it is configured), with vLLM's names."""
+        for name, doc, key in (
+            ("spec_decode_num_drafts", "Verify steps that checked drafted tokens.",
+             "spec_num_drafts"),
+            ("spec_decode_num_draft_tokens", "Drafted tokens verified.", "spec_num_draft_tokens"),
+            ("spec_decode_num_accepted_tokens", "Drafted tokens accepted.",
+             "spec_num_accepted_tokens"),
+        ):
+            family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=LABELS)
+            family.add_metric([self.model_name], float(s[key]))
+            yield family
+        counts = s["spec_accepted_counts"]  # verify steps by drafts accepted: 0, 1, ... k
+        family = HistogramMetricFamily(
+            "tokenmill:spec_decode_acceptance_length",
+            "Drafted tokens accepted per verify step.", labels=LABELS)
+        cumulative = [sum(counts[: i + 1]) for i in range(len(counts))]
+        buckets = [(str(float(i)), float(c)) for i, c in enumerate(cumulative)]
+        buckets.append(("+Inf", float(cumulative[-1])))
+        family.add_metric([self.model_name], buckets,
+                          float(sum(i * c for i, c in enumerate(counts))))
+        yield family
 
 
 class ServerMetrics:

@@ -1,0 +1,228 @@
+"""Speculative decoding end to end: greedy output with drafts (n-gram, suffix, draft model;
+k = 1..8) is token for token the output without them, alone and batched with chunked prefill,
+prefix caching and preemption; rejected drafts leave no KV block behind and never reach the
+prefix cache; per-request and engine counters add up."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import random_prompts, save_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.block_manager import hash_block
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """Another random Llama with the tiny Llama's vocabulary: it drafts badly (rejections)."""
+    path = tmp_path_factory.mktemp("tiny-draft")
+    save_tiny_model(path, "llama", seed=7, num_hidden_layers=1)
+    return str(path)
+
+
+def spec(method: str, k: int, draft: str | None = None) -> dict:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
+                "prompt_lookup_min": 1}
+    if method == "suffix":
+        return {"method": "suffix", "num_speculative_tokens": k}
+    return {"model": draft, "num_speculative_tokens": k}
+
+
+def prompts(count: int = 8, seed: int = 3) -> list[list[int]]:
+    """Random prompts that repeat part of themselves, so look-up proposers find matches."""
+    return [p + p[: len(p) // 2] for p in random_prompts(count, 8, 40, seed=seed)]
+
+
+def run(llm: LLM, batch, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], outs
+
+
+def assert_all_free(llm: LLM):
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks
+    assert all(b.ref_count == 0 for m in kv.managers for b in m.blocks)
+    spec = llm.engine.spec
+    if spec is not None:
+        assert not spec.lengths.states  # every finished sequence forgotten
+        draft_kv = getattr(spec.proposer, "kv", None)
+        if draft_kv is not None:
+            assert draft_kv.num_free_blocks == draft_kv.num_blocks and not spec.proposer.mirrors
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama):
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32")
+    return {seed: run(llm, prompts(seed=seed))[0] for seed in (3, 4)}
+
+
+@pytest.mark.parametrize("k", range(1, 9))
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_greedy_is_token_identical_batched_with_chunked_prefill(tiny_llama, tiny_draft,
+                                                                 expected, method, k):
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=24,
+              speculative_config=spec(method, k, tiny_draft))
+    got, outs = run(llm, prompts())
+    assert got == expected[3]
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    stats = llm.engine.stats()
+    assert drafted > 0 and stats["spec_num_draft_tokens"] == drafted
+    assert stats["spec_num_accepted_tokens"] == accepted
+    assert sum(stats["spec_accepted_counts"]) == stats["spec_num_drafts"]
+    if method != "draft":
+        assert 0 < accepted < drafted  # both paths taken: accepted and rejected drafts
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_greedy_is_token_identical_alone(tiny_llama, tiny_draft, expected, method):
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", speculative_config=spec(method, 4, tiny_draft))
+    assert [run(llm, [p])[0][0] for p in prompts(seed=4)] == expected[4]
+    assert_all_free(llm)
+
+
+def test_a_model_drafting_for_itself_is_always_accepted(tiny_llama, expected):
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", speculative_config=spec("draft", 5, str(path)))
+    got, outs = run(llm, prompts())
+    assert got == expected[3]
+    assert all(o.metrics.num_accepted_tokens == o.metrics.num_draft_tokens > 0 for o in outs)
+    assert all(len(o.metrics.token_times) < GREEDY.max_tokens / 3 for o in outs)  # few steps
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_preemption_with_drafts_gives_identical_output(tiny_llama, tiny_draft, expected,
+                                                       method):
+    path, _ = tiny_llama
+    per_token = 2 * 2 * 2 * 16 * 4  # K and V x layers x kv_heads x head_dim x float32
+    llm = LLM(str(path), dtype="float32", block_size=16, kv_cache_memory=12 * 16 * per_token,
+              speculative_config=spec(method, 6, tiny_draft))
+    got, _ = run(llm, prompts())
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert got == expected[3]
+    assert_all_free(llm)
+
+
+def test_prefix_cache_holds_only_verified_tokens(tiny_llama, expected):
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", block_size=4,
+              speculative_config=spec("ngram", 8))
+    batch = prompts()
+    got, _ = run(llm, batch)
+    assert got == expected[3]
+    verified = set()  # the hash of every full block of every verified sequence
+    for prompt, output in zip(batch, got):
+        tokens, parent = prompt + output, None
+        for i in range(len(tokens) // 4):
+            parent = hash_block(parent, tokens[4 * i: 4 * i + 4])
+            verified.add(parent)
+    cached = set(llm.engine.block_manager._cached)
+    assert cached and cached <= verified
+    again, outs = run(llm, batch)  # served from those blocks: the same tokens
+    assert again == expected[3] and all(o.num_cached_tokens > 0 for o in outs)
+    assert_all_free(llm)
+
+
+def test_penalties_min_tokens_and_logprobs_are_verified_per_position(tiny_llama):
+    path, _ = tiny_llama
+    params = SamplingParams(temperature=0, max_tokens=30, repetition_penalty=1.3,
+                            frequency_penalty=0.2, min_tokens=10, logprobs=2)
+    batch = prompts(4)
+    base_tokens, base = run(LLM(str(path), dtype="float32"), batch, params)
+    llm = LLM(str(path), dtype="float32", speculative_config=spec("ngram", 4))
+    got, outs = run(llm, batch, params)
+    assert got == base_tokens
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+    for a, b in zip(outs, base):
+        lp_a, lp_b = a.outputs[0].logprobs, b.outputs[0].logprobs
+        assert len(lp_a) == len(lp_b) == len(a.outputs[0].token_ids)
+        for pa, pb in zip(lp_a, lp_b):
+            assert pa.keys() == pb.keys()
+            assert all(abs(pa[t].logprob - pb[t].logprob) < 1e-4 for t in pa)
+
+
+def test_stops_inside_accepted_drafts_end_the_sequence_there(tiny_llama, expected):
+    path, _ = tiny_llama
+    batch = prompts()
+    stop_at = [e[5] for e in expected[3]]  # the 6th token of each greedy output
+    llm = LLM(str(path), dtype="float32", speculative_config=spec("draft", 8, str(path)))
+    for prompt, stop, full in zip(batch, stop_at, expected[3]):
+        params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop])
+        out = run(llm, [prompt], params)[1][0].outputs[0]
+        assert out.token_ids == full[: full.index(stop) + 1] and out.finish_reason == "stop"
+    params = SamplingParams(temperature=0, max_tokens=7)
+    got, _ = run(llm, batch, params)
+    assert got == [e[:7] for e in expected[3]]
+    assert_all_free(llm)
+
+
+def test_sampled_requests_speculate_and_stay_seeded(tiny_llama, tiny_draft):
+    path, _ = tiny_llama
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=5)
+    for method in ("ngram", "draft"):
+        llm = LLM(str(path), dtype="float32", speculative_config=spec(method, 4, tiny_draft))
+        first, outs = run(llm, prompts(4), params)
+        assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+        assert run(llm, prompts(4), params)[0] == first  # reproducible with the seed
+        assert_all_free(llm)
+
+
+def test_rejected_drafts_blocks_are_released_every_step(tiny_llama, tiny_draft):
+    """After each step no sequence holds a block beyond its (verified) tokens."""
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", block_size=4,
+              speculative_config=spec("draft", 8, tiny_draft))
+    engine = llm.engine
+    for p in prompts():
+        engine.add_request(None, {"prompt_token_ids": p}, GREEDY)
+    rejected = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for seq in engine.scheduler.running:
+            assert len(seq.block_table) <= -(-seq.num_tokens // 4)
+            assert seq.num_computed_tokens == seq.num_tokens - 1 or not seq.num_output_tokens
+        rejected = engine.stats()["spec_num_draft_tokens"] - engine.stats()[
+            "spec_num_accepted_tokens"]
+    assert rejected > 0
+    assert_all_free(llm)
+
+
+def test_abort_mid_speculation_frees_everything(tiny_llama, tiny_draft):
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", speculative_config=spec("draft", 4, tiny_draft))
+    engine = llm.engine
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, GREEDY) for p in prompts(4)]
+    for _ in range(4):
+        engine.step()
+    for rid in ids:
+        engine.abort_request(rid)
+    assert_all_free(llm)
+
+
+def test_bad_speculative_configs_are_clear_errors(tiny_llama, tmp_path):
+    path, _ = tiny_llama
+    cases = [({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
+             ({"method": "ngram"}, "num_speculative_tokens"),
+             ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens"),
+             ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
+               "prompt_lookup_max": 2}, "prompt_lookup_min"),
+             ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
+             ("{not json", "not valid JSON"),
+             ({"num_speculative_tokens": 2}, "needs a"),
+             ({"method": "draft_model", "num_speculative_tokens": 2}, "draft"),
+             ]
+    for config, message in cases:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(path), dtype="float32", speculative_config=config)
+    other = tmp_path / "other-vocab"
+    save_tiny_model(other, "llama", vocab_size=300)
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(path), dtype="float32", speculative_config=spec("draft", 2, str(other)))

@@ -1,0 +1,54 @@
+"""N-gram (prompt lookup) proposer: find the latest earlier place where the sequence's last n
+tokens occurred (n from prompt_lookup_max down to prompt_lookup_min) and draft what followed.
+Each sequence keeps an index n-gram -> where its latest occurrence ended, extended with the
+tokens added since the last step, so a proposal costs a few dict look-ups, not a scan."""
+
+from __future__ import annotations
+
+from tokenmill.engine.sequence import Sequence
+from tokenmill.spec_decode.config import SpeculativeConfig
+
+
+class NgramIndex:
+    """For every n in [lo, hi]: n-gram -> end position (exclusive) of its latest occurrence
+    that has a next token."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+        self.ends: dict[tuple[int, ...], int] = {}
+        self.indexed = 0  # positions e < indexed are in the index
+
+    def extend(self, tokens: list[int]) -> None:
+        """Index every end e < len(tokens): each has its next token, tokens[e]."""
+        for e in range(max(self.indexed, self.lo), len(tokens)):
+            for n in range(self.lo, min(self.hi, e) + 1):
+                self.ends[tuple(tokens[e - n: e])] = e
+        self.indexed = max(self.indexed, len(tokens))
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """What followed the latest earlier occurrence of the longest suffix of tokens."""
+        self.extend(tokens)
+        for n in range(min(self.hi, len(tokens) - 1), self.lo - 1, -1):
+            end = self.ends.get(tuple(tokens[len(tokens) - n:]))
+            if end is not None:
+                return tokens[end: end + k]
+        return []
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, **_) -> None:
+        self.lo, self.hi = config.prompt_lookup_min, config.prompt_lookup_max
+        self.indexes: dict[int, NgramIndex] = {}
+
+    def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[tuple[list[int], None]]:
+        out = []
+        for seq, k in zip(seqs, lengths):
+            index = self.indexes.get(seq.seq_id)
+            if index is None:
+                index = self.indexes[seq.seq_id] = NgramIndex(self.lo, self.hi)
+            out.append((index.propose(seq.token_ids, k), None))
+        return out
+
+    def finished(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.indexes.pop(seq.seq_id, None)
