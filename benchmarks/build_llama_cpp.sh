@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench, llama-batched-bench, llama-server and llama-quantize from the sources vendored
+# Build llama.cpp's llama-bench, llama-batched-bench, llama-server, llama-quantize and the speculative
+# decoding tools (llama-lookup: n-gram / prompt lookup; llama-speculative: draft model) from the sources vendored
 # in the llama-cpp-python sdist (the package index is the only network here). The build is
 # cached: ${TOKENMILL_HOME:-~/.cache/tokenmill}/llama.cpp/build/bin. Takes 10-20 min on 2 cores.
 set -euo pipefail
 home="${TOKENMILL_HOME:-$HOME/.cache/tokenmill}/llama.cpp"
 bin="$home/build/bin"
 if [ -x "$bin/llama-bench" ] && [ -x "$bin/llama-server" ] && [ -x "$bin/llama-batched-bench" ] \
-    && [ -x "$bin/llama-quantize" ]; then
+    && [ -x "$bin/llama-quantize" ] && [ -x "$bin/llama-lookup" ] && [ -x "$bin/llama-speculative" ]; then
   echo "$bin"
   exit 0
 fi
@@ -20,5 +21,6 @@ fi
 cmake -S src/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
   -DBUILD_SHARED_LIBS=OFF >&2
-cmake --build build -j "$(nproc)" --target llama-bench llama-batched-bench llama-server llama-quantize >&2
+cmake --build build -j "$(nproc)" --target llama-bench llama-batched-bench llama-server llama-quantize \
+  llama-lookup llama-speculative >&2
 echo "$bin"

@@ -1,0 +1,52 @@
+"""Speculative decoding on the built-in default model (its native Q4_1 / Q8_0 weights on the
+kernels): greedy output with n-gram and suffix drafts is token for token the output without,
+on prompts whose answers copy from the prompt (benchmarks/data/spec_prompts.json), alone and
+batched with chunked prefill and prefix caching; and drafts are really accepted there."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.smollm2
+PROMPTS = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "data" /
+                      "spec_prompts.json").read_text())
+PARAMS = SamplingParams(temperature=0, max_tokens=64)
+CONFIGS = [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+            "prompt_lookup_min": 2},
+           {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 1},
+           {"method": "suffix", "num_speculative_tokens": 6}]
+
+
+def chat(llm: LLM, prompts: list[str]):
+    outs = llm.chat([[{"role": "user", "content": p}] for p in prompts], PARAMS, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], outs
+
+
+@pytest.fixture(scope="module")
+def expected(default_model):
+    llm = LLM(default_model, max_num_seqs=8, max_model_len=1024)
+    return chat(llm, PROMPTS["grounded"] + PROMPTS["free"][:2])[0]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["ngram-k4", "ngram-k8", "suffix-k6"])
+def test_default_model_greedy_is_identical_with_drafts(default_model, expected, config):
+    prompts = PROMPTS["grounded"] + PROMPTS["free"][:2]
+    llm = LLM(default_model, max_num_seqs=8, max_model_len=1024, max_num_batched_tokens=128,
+              speculative_config=config)
+    got, outs = chat(llm, prompts)
+    assert got == expected
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    assert accepted > 0.3 * drafted > 0  # grounded answers copy: most drafts are right
+    again, outs = chat(llm, prompts[:3])  # now served from the prefix cache, one at a time
+    assert again == expected[:3] and all(o.num_cached_tokens > 0 for o in outs)
+    alone = [chat(llm, [p])[0][0] for p in prompts[3:5]]
+    assert alone == expected[3:5]
+    kv = llm.engine.kv_manager
+    assert kv.num_free_blocks == kv.num_blocks
