@@ -175,6 +175,20 @@ def test_sampled_requests_speculate_and_stay_seeded(tiny_llama, tiny_draft):
         assert_all_free(llm)
 
 
+def test_n_samples_speculate_each_and_metrics_count_tokens(tiny_llama, expected):
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", speculative_config=spec("draft", 4, str(path)))
+    params = SamplingParams(n=3, temperature=0, max_tokens=GREEDY.max_tokens)
+    out = llm.generate({"prompt_token_ids": prompts()[0]}, params, use_tqdm=False)[0]
+    assert [c.token_ids for c in out.outputs] == [expected[3][0]] * 3
+    m = out.metrics
+    assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    assert m.num_output_tokens == GREEDY.max_tokens and len(m.token_times) < 20
+    span = m.token_times[-1] - m.token_times[0]
+    assert m.mean_inter_token_latency == pytest.approx(span / (GREEDY.max_tokens - 1))
+    assert_all_free(llm)
+
+
 def test_rejected_drafts_blocks_are_released_every_step(tiny_llama, tiny_draft):
     """After each step no sequence holds a block beyond its (verified) tokens."""
     path, _ = tiny_llama

@@ -19,14 +19,15 @@ LogprobsList = list[dict[int, Logprob]]
 @dataclass
 class RequestMetrics:
     """Timestamps (time.perf_counter seconds), prefix-cache and speculative-decoding counts of
-    one request. token_times has one entry per step that gave the request tokens;
-    tokens_per_step how many (more than one when drafted tokens were accepted)."""
+    one request. token_times has one entry per step that gave the request tokens (a step may
+    give several when drafted tokens are accepted); num_output_tokens is the longest
+    completion's length."""
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
-    tokens_per_step: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -54,9 +55,10 @@ class RequestMetrics:
 
     @property
     def mean_inter_token_latency(self) -> float | None:
-        """Time per generated token after the first (a step that gave k tokens counts k)."""
-        tokens = sum(self.tokens_per_step[1:]) or len(self.token_times) - 1
-        if tokens < 1:
+        """Time per generated token after the first (of the longest completion: a step that
+        gave it k tokens counts k)."""
+        tokens = max(self.num_output_tokens, len(self.token_times)) - 1
+        if len(self.token_times) < 2 or tokens < 1:
             return None
         return (self.token_times[-1] - self.token_times[0]) / tokens
 

@@ -191,7 +191,6 @@ class LLMEngine:
                     seq.prompt_logprobs.append(None)
                 seq.prompt_logprobs += entries
         touched: dict[str, Request] = {}
-        emitted: dict[str, int] = {}  # most tokens one of the request's sequences got
         for seq in targets:
             req = self.requests[seq.request_id]
             if seq in req.pending_children:
@@ -206,7 +205,6 @@ class LLMEngine:
                 reason = req.append_token(seq, token, lp)
                 if reason is not None:
                     break  # tokens after a stop are dropped
-            emitted[req.request_id] = max(emitted.get(req.request_id, 0), len(tokens))
             if seq.spec_token_ids:
                 self._verified(seq, req, accepted)
             if reason is not None:
@@ -217,7 +215,7 @@ class LLMEngine:
             m = req.metrics
             m.first_token_time = m.first_token_time or now
             m.token_times.append(now)
-            m.tokens_per_step.append(emitted[req.request_id])
+            m.num_output_tokens = max(s.num_output_tokens for s in req.seqs)
             if req.finished:
                 m.finished_time = now
                 del self.requests[req.request_id]

@@ -1,0 +1,205 @@
+"""Speculative decoding benchmark: tokenmill with and without drafts, and llama.cpp's
+llama-server with and without its n-gram speculation, on the same prompts in the same run.
+
+Workloads (benchmarks/data/spec_prompts.json, chat-formatted, greedy, up to --max-tokens):
+'grounded' answers copy from the prompt (code with type hints, typo fixes, extraction into
+JSON); 'free' answers are free writing. Measured:
+- single stream: one request at a time; decode speed = tokens after the first / (end - first
+  token), summed over the prompts (the metric speculation changes; TTFT it does not);
+- 16 concurrent: every prompt twice (the second with a suffix, so nothing is cached whole) in
+  one batch of 16: output tokens / wall time;
+- draft model: the default model dequantized to bfloat16 as the target, drafted by its own
+  Q4_1 file (native int8-activation kernels): an honest stand-in for a small draft of a larger
+  model with the same vocabulary.
+- llama.cpp: llama-server (built by build_llama_cpp.sh) single stream, with and without
+  `--spec-type ngram-simple`, decode speed from its own timings.
+Prints a table and ends with one JSON line.
+
+    python benchmarks/spec_decode.py [--max-tokens 256] [--no-llama-cpp]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.common import machine  # noqa: E402
+
+PROMPTS = json.loads((ROOT / "benchmarks" / "data" / "spec_prompts.json").read_text())
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+         "prompt_lookup_min": 2}
+NGRAM_VLLM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+
+
+def conversations(kind: str, twice: bool = False) -> list[list[dict]]:
+    texts = PROMPTS[kind] + ([p + "\n\nAnswer carefully." for p in PROMPTS[kind]] if twice
+                             else [])
+    return [[{"role": "user", "content": t}] for t in texts]
+
+
+def single_stream(llm, kind: str, max_tokens: int) -> dict:
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.chat(conversations(kind)[0], params, use_tqdm=False)  # warm-up
+    tokens = seconds = drafted = accepted = steps = 0
+    outputs = []
+    for conv in conversations(kind):
+        out = llm.chat(conv, params, use_tqdm=False)[0]
+        m = out.metrics
+        tokens += len(out.outputs[0].token_ids) - 1
+        seconds += m.token_times[-1] - m.token_times[0]
+        drafted += m.num_draft_tokens
+        accepted += m.num_accepted_tokens
+        steps += len(m.token_times) - 1
+        outputs.append(out.outputs[0].token_ids)
+    return {"decode_tok_s": tokens / seconds, "tokens": tokens,
+            "acceptance": accepted / drafted if drafted else None,
+            "tokens_per_step": tokens / steps, "outputs": outputs}
+
+
+def concurrent(llm, kind: str, max_tokens: int) -> dict:
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    convs = conversations(kind, twice=True)
+    llm.chat(convs[:2], params, use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outs = llm.chat(convs, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    return {"output_tok_s": tokens / wall, "tokens": tokens,
+            "acceptance": accepted / drafted if drafted else None}
+
+
+def tokenmill_rows(args, model: str) -> dict:
+    from tokenmill import LLM
+
+    rows = {}
+    configs = {"none": None, "ngram k4 n2-4": NGRAM, "ngram k4 n4 (vLLM defaults)": NGRAM_VLLM,
+               "suffix k8": SUFFIX}
+    for name, spec in configs.items():
+        llm = LLM(model, max_num_seqs=16, max_model_len=2048, speculative_config=spec)
+        rows[name] = {f"{kind} single": single_stream(llm, kind, args.max_tokens)
+                      for kind in ("grounded", "free")}
+        for kind in ("grounded", "free"):
+            rows[name][f"{kind} x16"] = concurrent(llm, kind, args.max_tokens)
+        del llm
+    for name, spec in (("bf16 target", None), ("bf16 target + Q4_1 draft k4",
+                                                {"model": model, "num_speculative_tokens": 4})):
+        llm = LLM(model, dtype="bfloat16", max_num_seqs=16, max_model_len=2048,
+                  speculative_config=spec)
+        rows[name] = {f"{kind} single": single_stream(llm, kind, args.max_tokens)
+                      for kind in ("grounded", "free")}
+        del llm
+    return rows
+
+
+def llama_cpp_rows(args, model: str) -> dict:
+    """llama-server single stream, with and without its n-gram speculation."""
+    import subprocess
+
+    import httpx
+
+    from benchmarks.serve_compare import free_port, stop, wait_healthy
+
+    bin_dir = Path(subprocess.run(["bash", str(ROOT / "benchmarks" / "build_llama_cpp.sh")],
+                                  capture_output=True, text=True, check=True).stdout.strip())
+    rows = {}
+    for name, extra in (("none", []), ("ngram-simple", ["--spec-type", "ngram-simple"])):
+        port = free_port()
+        proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", model, "--port", str(port),
+                                 "-c", "4096", "-t", str(args.threads), "-tb", str(args.threads),
+                                 "-np", "1", "--no-webui", *extra],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_healthy(url, proc)
+            rows[name] = {}
+            for kind in ("grounded", "free"):
+                tokens = ms = drafted = accepted = 0
+                convs = conversations(kind)
+                for i, conv in enumerate([convs[0], *convs]):  # the first is a warm-up
+                    r = httpx.post(f"{url}/v1/chat/completions", timeout=600, json={
+                        "messages": conv, "max_tokens": args.max_tokens, "temperature": 0})
+                    t = r.json()["timings"]
+                    if i == 0:
+                        continue
+                    tokens += t["predicted_n"]
+                    ms += t["predicted_ms"]
+                    drafted += t.get("draft_n", 0)
+                    accepted += t.get("draft_n_accepted", 0)
+                rows[name][f"{kind} single"] = {
+                    "decode_tok_s": tokens / ms * 1e3, "tokens": tokens,
+                    "acceptance": accepted / drafted if drafted else None}
+        finally:
+            stop(proc)
+    return rows
+
+
+def print_table(engine: str, rows: dict, base: str) -> None:
+    print(f"\n{engine}")
+    columns = list(rows[base])
+    print(f"  {'':32}" + "".join(f"{c:>24}" for c in columns))
+    for name, row in rows.items():
+        cells = []
+        for c in columns:
+            if c not in row:
+                cells.append(f"{'':>24}")
+                continue
+            r, b = row[c], rows[base if c in rows[base] else name][c]
+            key = "decode_tok_s" if "decode_tok_s" in r else "output_tok_s"
+            ratio = r[key] / b[key]
+            acc = f" a{100 * r['acceptance']:.0f}%" if r.get("acceptance") is not None else ""
+            cells.append(f"{r[key]:8.1f} {ratio:5.2f}x{acc:>8}")
+        print(f"  {name:32}" + "".join(f"{c:>24}" for c in cells))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from tokenmill.loaders.resolve import resolve_model
+
+    model = resolve_model(args.model)
+    rows = tokenmill_rows(args, model)
+    for name, row in rows.items():  # exact: speculation gives the same greedy tokens
+        base = rows["bf16 target" if name.startswith("bf16") else "none"]
+        for col, r in row.items():
+            if "outputs" in r:
+                r["identical"] = r["outputs"] == base[col]["outputs"]
+    for row in rows.values():
+        for r in row.values():
+            r.pop("outputs", None)
+    llama = {} if args.no_llama_cpp else llama_cpp_rows(args, model)
+    print(f"machine: {machine()}")
+    print("tokens/s (decode tok/s single stream; output tok/s x16), ratio to no speculation, "
+          "draft acceptance")
+    print_table("tokenmill", {k: v for k, v in rows.items() if not k.startswith("bf16")}, "none")
+    print_table("tokenmill, draft model", {k: v for k, v in rows.items() if k.startswith("bf16")},
+                "bf16 target")
+    same = all(r["identical"] for row in rows.values() for r in row.values() if "identical" in r)
+    print(f"greedy outputs identical with and without speculation: {'yes' if same else 'NO'}")
+    if llama:
+        print_table("llama.cpp llama-server", llama, "none")
+    print(json.dumps({"benchmark": "spec_decode", "model": args.model, "machine": machine(),
+                      "max_tokens": args.max_tokens, "tokenmill": rows, "llama.cpp": llama},
+                     sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()
