@@ -1,15 +1,17 @@
 """Proposers and the length controller on their own: the n-gram index drafts what followed the
 latest longest match, the suffix index the most frequent continuation (from recent requests
-too when asked), and drafts shrink and pause for sequences whose drafts keep failing."""
+too when asked), and the planner keeps only drafts that pay for the step rows they add."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
+
 from tokenmill import SamplingParams
 from tokenmill.engine.sequence import Sequence
 from tokenmill.spec_decode import SpeculativeConfig
-from tokenmill.spec_decode.adaptive import MAX_PAUSE, LengthController
+from tokenmill.spec_decode.adaptive import DraftPlanner, StepCost
 from tokenmill.spec_decode.ngram import NgramIndex, NgramProposer
 from tokenmill.spec_decode.suffix import SuffixProposer
 
@@ -103,25 +105,35 @@ def test_suffix_cache_forgets_the_oldest_requests():
     assert all(count > 0 for row in proposer.shared.counts.values() for count in row.values())
 
 
-def test_length_grows_shrinks_and_pauses():
-    c = LengthController(max_length=4)
-    assert c.next_length(1) == 4
-    c.record(1, 4, 1)
-    assert c.next_length(1) == 2  # accepted + 1
-    c.record(1, 2, 2)
-    assert c.next_length(1) == 3  # all accepted: one more
-    c.record(1, 3, 0)
-    assert c.next_length(1) == 1
-    c.record(1, 1, 0)  # two steps in a row with nothing accepted: pause
-    pauses = [c.next_length(1) for _ in range(3)]
-    assert pauses == [0, 0, 1]
-    for _ in range(12):  # failing forever: pauses grow to MAX_PAUSE, never forever
-        c.record(1, 1, 0)
-    assert c.states[1].paused == MAX_PAUSE
-    c.forget(1)
-    assert not c.states
-    fixed = LengthController(max_length=4, adaptive=False)
-    fixed.next_length(2)
-    fixed.record(2, 4, 0)
-    fixed.record(2, 4, 0)
-    assert fixed.next_length(2) == 4
+def test_step_cost_interpolates_and_never_decreases():
+    cost = StepCost([1, 4, 8], [1.0, 1.2, 0.9])  # a noisy measurement at 8 rows
+    assert cost(1) == 1.0 and cost(2) == pytest.approx(1.0 + 0.2 / 3)
+    assert cost(8) == 1.2 and cost(16) == 1.2
+    assert StepCost([2], [2.0])(4) == 4.0
+    assert StepCost.measure(lambda r: 0.1 * r, 10).rows == [1, 2, 3, 4, 6, 8, 10]
+
+
+def test_planner_keeps_drafts_that_pay_for_themselves():
+    flat = DraftPlanner(4, StepCost([1, 64], [1.0, 1.0]))  # memory-bound: rows are free
+    assert flat.plan({1: 4, 2: 2}, base_rows=2) == {1: 4, 2: 2}
+    linear = DraftPlanner(4, StepCost([1, 64], [1.0, 64.0]))  # a row costs a token
+    assert linear.plan({1: 4, 2: 4}, base_rows=2) == {1: 0, 2: 0}
+    knee = StepCost([1, 4, 64], [1.0, 1.1, 64.0])  # cheap up to 4 rows, then ~1 a row
+    planner = DraftPlanner(8, knee)
+    for _ in range(20):
+        planner.record(1, 4, 4)  # sequence 1's drafts are always right
+    assert planner.alpha(1) > 0.8
+    assert planner.plan({1: 8}, base_rows=1)[1] == 3  # free rows used, no paid ones
+    assert DraftPlanner(3).plan({1: 8, 2: 1}, base_rows=1) == {1: 3, 2: 1}  # no cost: max
+
+
+def test_failing_sequences_draft_less_than_good_ones():
+    planner = DraftPlanner(4, StepCost([1, 8, 64], [1.0, 1.5, 10.0]))
+    for _ in range(10):
+        planner.record(1, 4, 4)
+        planner.record(2, 4, 0)
+    assert planner.alpha(2) < 0.3 < 0.8 < planner.alpha(1)
+    keep = planner.plan({1: 4, 2: 4, 3: 4}, base_rows=3)
+    assert keep[1] > keep[3] > keep[2] == 0  # 3 is new: the engine's mixed rate
+    planner.forget(2)
+    assert 2 not in planner.seqs

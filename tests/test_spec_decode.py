@@ -47,7 +47,7 @@ def assert_all_free(llm: LLM):
     assert all(b.ref_count == 0 for m in kv.managers for b in m.blocks)
     spec = llm.engine.spec
     if spec is not None:
-        assert not spec.lengths.states  # every finished sequence forgotten
+        assert not spec.planner.seqs  # every finished sequence forgotten
         draft_kv = getattr(spec.proposer, "kv", None)
         if draft_kv is not None:
             assert draft_kv.num_free_blocks == draft_kv.num_blocks and not spec.proposer.mirrors
@@ -85,6 +85,17 @@ def test_greedy_is_token_identical_alone(tiny_llama, tiny_draft, expected, metho
     path, _ = tiny_llama
     llm = LLM(str(path), dtype="float32", speculative_config=spec(method, 4, tiny_draft))
     assert [run(llm, [p])[0][0] for p in prompts(seed=4)] == expected[4]
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8_e4m3", "bfloat16"])  # int4: head_dim 16 < 32
+def test_quantized_kv_cache_same_output_with_drafts(tiny_llama, kv_dtype):
+    path, _ = tiny_llama
+    kwargs = dict(dtype="float32", kv_cache_dtype=kv_dtype)
+    base, _ = run(LLM(str(path), **kwargs), prompts())
+    llm = LLM(str(path), **kwargs, speculative_config=spec("ngram", 5))
+    got, outs = run(llm, prompts())
+    assert got == base and sum(o.metrics.num_accepted_tokens for o in outs) > 0
     assert_all_free(llm)
 
 
@@ -164,15 +175,29 @@ def test_stops_inside_accepted_drafts_end_the_sequence_there(tiny_llama, expecte
     assert_all_free(llm)
 
 
-def test_sampled_requests_speculate_and_stay_seeded(tiny_llama, tiny_draft):
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_seeded_sampling_with_lookup_drafts_equals_no_speculation(tiny_llama, method):
+    """Point-mass drafts are checked against each row's own draw: a seeded request gives the
+    very tokens it gives without speculation (one generator number per token)."""
     path, _ = tiny_llama
-    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=5)
-    for method in ("ngram", "draft"):
-        llm = LLM(str(path), dtype="float32", speculative_config=spec(method, 4, tiny_draft))
-        first, outs = run(llm, prompts(4), params)
-        assert sum(o.metrics.num_draft_tokens for o in outs) > 0
-        assert run(llm, prompts(4), params)[0] == first  # reproducible with the seed
-        assert_all_free(llm)
+    params = SamplingParams(temperature=0.3, top_p=0.95, max_tokens=40, seed=5)
+    base, _ = run(LLM(str(path), dtype="float32"), prompts(), params)
+    llm = LLM(str(path), dtype="float32", speculative_config=spec(method, 4))
+    got, outs = run(llm, prompts(), params)
+    assert got == base
+    assert sum(o.metrics.num_accepted_tokens for o in outs) > 0
+    assert_all_free(llm)
+
+
+def test_sampled_requests_with_a_draft_model(tiny_llama):
+    """A model drafting for itself under sampling: q equals p, so drafts are accepted."""
+    path, _ = tiny_llama
+    params = SamplingParams(temperature=0.9, max_tokens=30, seed=5)
+    llm = LLM(str(path), dtype="float32", speculative_config=spec("draft", 4, str(path)))
+    _, outs = run(llm, prompts(), params)
+    drafted = sum(o.metrics.num_draft_tokens for o in outs)
+    assert sum(o.metrics.num_accepted_tokens for o in outs) >= 0.95 * drafted > 0
+    assert_all_free(llm)
 
 
 def test_n_samples_speculate_each_and_metrics_count_tokens(tiny_llama, expected):

@@ -25,7 +25,7 @@ from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
-from tokenmill.engine.spec_decode import SpecDecoder
+from tokenmill.engine.spec_decode import SpecDecoder, measure_step_cost
 from tokenmill.engine.startup import Stopwatch
 from tokenmill.layers import ops
 from tokenmill.loaders import load_model
@@ -86,9 +86,10 @@ class LLMEngine:
             release_freed_memory()  # the load's temporaries (see host_memory)
         clock.lap("packing")
         self.spec = None
-        if config.speculative_config is not None:
-            self.spec = SpecDecoder(config.speculative_config, config.max_model_len,
-                                    engine_config=config,
+        if (spec := config.speculative_config) is not None:
+            cost = measure_step_cost(self.runner, self.kv_manager, config.max_num_seqs * (
+                spec.num_speculative_tokens + 1)) if spec.adaptive else None
+            self.spec = SpecDecoder(spec, config.max_model_len, cost, engine_config=config,
                                     vocab_size=self.model_config.vocab_size, device=self.device)
             clock.lap("speculative decoding")
         self.startup = clock
@@ -171,11 +172,13 @@ class LLMEngine:
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         if self.spec is not None:
             self.spec.propose(self.scheduler.running)  # drafts for decoding sequences
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
+        decode_only = all(n == 1 or s.spec_token_ids for s, n in sched.scheduled)
         now = time.perf_counter()
         rows, targets = self._sample_plan(sched.scheduled, now)
         result = self.runner.execute(sched.scheduled, rows, targets)
@@ -222,6 +225,8 @@ class LLMEngine:
                 if self.spec is not None:
                     self.spec.finished(req.seqs)
             outputs.append(req.output())
+        if self.spec is not None and decode_only:
+            self.spec.observe_step(sched.num_batched_tokens, time.perf_counter() - start)
         return outputs
 
     def _verified(self, seq: Sequence, req: Request, accepted: int) -> None:

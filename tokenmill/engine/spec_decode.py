@@ -1,22 +1,32 @@
 """The engine's side of speculative decoding: before each step, drafts for the decoding
-sequences (the proposer named by the SpeculativeConfig, each sequence's length chosen by
-spec_decode/adaptive.py and capped by what it may still generate); after verification, the
-counts per request and for the whole engine (Prometheus reads them from LLMEngine.stats())."""
+sequences (the proposer named by the SpeculativeConfig, as many per sequence as pay for
+themselves by spec_decode/adaptive.py's planner, capped by what the sequence may still
+generate); after verification, the counts per request and for the whole engine (Prometheus
+reads them from LLMEngine.stats())."""
 
 from __future__ import annotations
 
+import time
+
+import torch
+
 from tokenmill.engine.sequence import Sequence
 from tokenmill.outputs import RequestMetrics
+from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec_decode import PROPOSERS, SpeculativeConfig
-from tokenmill.spec_decode.adaptive import LengthController
+from tokenmill.spec_decode.adaptive import DraftPlanner, StepCost
+
+MAX_MEASURED_ROWS = 256
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int, **proposer_args) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 step_cost: StepCost | None = None, **proposer_args) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.proposer = PROPOSERS[config.method](config, **proposer_args)
-        self.lengths = LengthController(config.num_speculative_tokens, config.adaptive)
+        self.planner = DraftPlanner(config.num_speculative_tokens,
+                                    step_cost if config.adaptive else None)
         self.num_drafts = 0  # verify steps with at least one draft
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -26,18 +36,32 @@ class SpecDecoder:
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
-        seqs, lengths = [], []
-        for seq in running:
-            if seq.is_decoding:
-                k = min(self.lengths.next_length(seq.seq_id), self._room(seq))
-                if k > 0:
-                    seqs.append(seq)
-                    lengths.append(k)
+        decoding = [s for s in running if s.is_decoding]
+        base_rows = len(decoding) + sum(s.num_uncomputed_tokens for s in running
+                                        if not s.is_decoding)
+        room = {s.seq_id: min(self.config.num_speculative_tokens, self._room(s))
+                for s in decoding}
+        seqs = [s for s in decoding if room[s.seq_id] > 0]
         if not seqs:
             return
-        for seq, k, (drafts, probs) in zip(seqs, lengths, self.proposer.propose(seqs, lengths)):
-            seq.spec_token_ids = list(drafts[:k])
-            seq.spec_draft_probs = probs[:k] if probs is not None and drafts else None
+        if getattr(self.proposer, "cheap", False):  # propose all, then keep what pays
+            drafts = self._proposals(seqs, [room[s.seq_id] for s in seqs])
+            keep = self.planner.plan({s.seq_id: len(drafts[s.seq_id][0]) for s in seqs},
+                                     base_rows)
+        else:  # a draft model's tokens cost passes: decide first, then draft that many
+            keep = self.planner.plan({s.seq_id: room[s.seq_id] for s in seqs}, base_rows)
+            seqs = [s for s in seqs if keep[s.seq_id]]
+            drafts = self._proposals(seqs, [keep[s.seq_id] for s in seqs])
+        for seq in seqs:
+            tokens, probs = drafts[seq.seq_id]
+            k = min(keep[seq.seq_id], len(tokens))
+            seq.spec_token_ids = list(tokens[:k])
+            seq.spec_draft_probs = probs[:k] if probs is not None and k else None
+
+    def _proposals(self, seqs: list[Sequence], lengths: list[int]) -> dict:
+        if not seqs:
+            return {}
+        return {s.seq_id: p for s, p in zip(seqs, self.proposer.propose(seqs, lengths))}
 
     def _room(self, seq: Sequence) -> int:
         """Drafts that can still be used: a verify step adds up to drafts + 1 tokens."""
@@ -53,16 +77,50 @@ class SpecDecoder:
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.accepted_counts[accepted] += 1
-        self.lengths.record(seq.seq_id, drafted, accepted)
+        self.planner.record(seq.seq_id, drafted, accepted)
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A whole engine step of decode rows only took `seconds` (the planner's cost)."""
+        if self.planner.cost is not None:
+            self.planner.cost.observe(rows, seconds)
 
     def finished(self, seqs: list[Sequence]) -> None:
         """Requests that ended (finished or aborted): forget their sequences."""
         self.proposer.finished(seqs)
         for seq in seqs:
-            self.lengths.forget(seq.seq_id)
+            self.planner.forget(seq.seq_id)
 
     def stats(self) -> dict:
         return {"spec_num_drafts": self.num_drafts,
                 "spec_num_draft_tokens": self.num_draft_tokens,
                 "spec_num_accepted_tokens": self.num_accepted_tokens,
                 "spec_accepted_counts": list(self.accepted_counts)}
+
+
+@torch.inference_mode()
+def measure_step_cost(runner, kv_manager, max_rows: int, context: int = 128) -> StepCost | None:
+    """Seconds of a decode step of the target by its number of rows (one sequence at
+    `context` tokens verifying rows - 1 drafts), best of two after a warm-up."""
+    max_rows = min(max_rows, MAX_MEASURED_ROWS)
+    seq = Sequence([1] * context, SamplingParams(max_tokens=1))
+    if not kv_manager.can_allocate(seq, context + max_rows):
+        return None
+    kv_manager.allocate(seq, context + max_rows)
+    seq.num_computed_tokens = context - 1  # K/V of the context: whatever the blocks hold
+
+    def seconds(rows: int) -> float:
+        seq.spec_token_ids = [1] * (rows - 1)
+        best = float("inf")
+        for _ in range(2):
+            start = time.perf_counter()
+            input_ids, positions, ctx, _ = runner.prepare([(seq, rows)])
+            runner.logits(runner.forward(input_ids, positions, ctx))
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    try:
+        seconds(max_rows)  # warm-up
+        return StepCost.measure(seconds, max_rows)
+    finally:
+        seq.spec_token_ids = []
+        kv_manager.free(seq)

@@ -180,13 +180,17 @@ class Sampler:
 
     def draw(self, weights: torch.Tensor, generators: list) -> torch.Tensor:
         """One token per row of non-negative weights (probabilities, or a residual that is
-        not normalized): the first whose cumulative weight exceeds u * total. u is kept below
-        the total so that a zero-weight tail (masked tokens) can never be picked."""
-        cdf = weights.cumsum(-1)  # (rows, vocab)
-        u = self.uniforms(generators, weights.device)
-        total = cdf[:, -1:]
-        u = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
-        return torch.searchsorted(cdf, u, right=True)[:, 0]
+        not normalized), with one uniform number per row."""
+        return inverse_cdf(weights, self.uniforms(generators, weights.device))
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the first token whose cumulative weight exceeds u * total. u is kept below the
+    total so that a zero-weight tail (masked tokens) can never be picked."""
+    cdf = weights.cumsum(-1)  # (rows, vocab)
+    total = cdf[:, -1:]
+    u = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True)[:, 0]
 
 
 def top_logprobs(row: torch.Tensor, num: int, token_id: int) -> dict[int, Logprob]:

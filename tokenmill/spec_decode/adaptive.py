@@ -1,47 +1,118 @@
-"""How many tokens to draft for each sequence next step. Drafts cost a verify row each, so a
-sequence whose drafts keep failing should draft less: the length grows by one after a step that
-accepted every draft and drops to (accepted + 1) after a rejection; after two steps in a row that
-accepted nothing, the sequence pauses drafting for 2, 4, 8 ... up to 64 steps."""
+"""How many drafted tokens each sequence verifies next step: as many as pay for themselves.
+
+Every draft adds a row to the target's step. While a step is memory-bound an extra row is
+nearly free; once it is compute-bound (a large batch on a CPU) a row costs about as much as a
+token, so only drafts that are likely to be accepted are worth it. The planner therefore
+weighs each draft's chance of being accepted against the step's measured cost:
+
+- StepCost: seconds of a decode step by its number of rows: the model's forward pass
+  measured at start (piecewise linear between the measured row counts) plus the engine's
+  fixed cost per step (scheduling, sampling, detokenizing), followed from the steps it runs;
+- per sequence, the chance that a draft is accepted given the ones before it were, alpha
+  (accepted / (accepted + rejections), counts that decay, smoothed toward the engine's
+  running rate so a new sequence starts from what the workload has shown); draft i of a
+  sequence is accepted with probability alpha^i;
+- drafts are taken best first while they raise the step's expected tokens per second:
+  (tokens + alpha^i) / cost(rows + 1) > tokens / cost(rows).
+A sequence whose drafts fail thus drafts less and less, down to none, and the engine never
+pays much for speculation that does not work; the same rule keeps drafts short in big batches.
+A sequence that has had proposals but no draft for EXPLORE steps verifies one draft anyway, so
+its estimate can recover when its text turns repetitive.
+"""
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
-MAX_PAUSE = 64
+DECAY = 0.9  # per verify step of a sequence: its recent acceptance counts more
+TOTAL_DECAY = 0.99  # per verify step of any sequence, for the engine's running rate
+EXPLORE = 32
+PRIOR = 2.0  # pseudo-counts pulling a sequence's alpha toward the engine's rate
+
+
+class StepCost:
+    """Seconds of a step with r rows, from measured (rows, seconds), non-decreasing."""
+
+    def __init__(self, rows: list[int], seconds: list[float]) -> None:
+        self.rows = list(rows)
+        self.seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]
+        self.overhead = 0.0  # the engine's own seconds per step, beyond the forward pass
+
+    def __call__(self, r: int) -> float:
+        return self.forward(r) + self.overhead
+
+    def forward(self, r: int) -> float:
+        rows, secs = self.rows, self.seconds
+        if len(rows) == 1:
+            return secs[0] * max(r, 1) / rows[0]
+        i = min(max(bisect.bisect_left(rows, r), 1), len(rows) - 1)
+        r0, r1, s0, s1 = rows[i - 1], rows[i], secs[i - 1], secs[i]
+        return max(s0 + (s1 - s0) * (r - r0) / (r1 - r0), secs[0])
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A whole engine step of `rows` decode rows took `seconds`."""
+        extra = max(seconds - self.forward(rows), 0.0)
+        self.overhead = extra if not self.overhead else 0.9 * self.overhead + 0.1 * extra
+
+    @classmethod
+    def measure(cls, time_rows: Callable[[int], float], max_rows: int) -> StepCost:
+        ladder = sorted({r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+                         if r < max_rows} | {max_rows})
+        return cls(ladder, [time_rows(r) for r in ladder])
 
 
 @dataclass
-class LengthState:
-    length: int
-    failures: int = 0  # verify steps in a row that accepted nothing
-    paused: int = 0  # steps left without drafts
+class Acceptance:
+    accepted: float = 0.0
+    rejected: float = 0.0
+    idle: int = 0  # steps with a proposal but no draft verified
 
 
-class LengthController:
-    def __init__(self, max_length: int, adaptive: bool = True) -> None:
+class DraftPlanner:
+    def __init__(self, max_length: int, cost: StepCost | None = None) -> None:
         self.max_length = max_length
-        self.adaptive = adaptive
-        self.states: dict[int, LengthState] = {}
+        self.cost = cost  # None: no planning, always draft max_length
+        self.seqs: dict[int, Acceptance] = {}
+        self.total = Acceptance(1.0, 1.0)  # the engine's running counts (prior: alpha 0.5)
 
-    def next_length(self, seq_id: int) -> int:
-        """Tokens to draft for the sequence this step (0: it is paused)."""
-        state = self.states.setdefault(seq_id, LengthState(self.max_length))
-        if state.paused:
-            state.paused -= 1
-            return 0
-        return state.length
+    def alpha(self, seq_id: int) -> float:
+        s, t = self.seqs.get(seq_id) or Acceptance(), self.total
+        rate = t.accepted / (t.accepted + t.rejected)
+        return (s.accepted + PRIOR * rate) / (s.accepted + s.rejected + PRIOR)
+
+    def plan(self, proposals: dict[int, int], base_rows: int) -> dict[int, int]:
+        """Drafts to keep per sequence (of the proposed counts), with base_rows rows in the
+        step before any draft (one per decoding sequence, plus prefill tokens)."""
+        if self.cost is None:
+            return {sid: min(n, self.max_length) for sid, n in proposals.items()}
+        gains = sorted(((self.alpha(sid) ** (i + 1), sid) for sid, n in proposals.items()
+                        for i in range(min(n, self.max_length))), reverse=True)
+        keep = dict.fromkeys(proposals, 0)
+        tokens, rows = float(max(base_rows, 1)), max(base_rows, 1)
+        for gain, sid in gains:
+            if (tokens + gain) * self.cost(rows) <= tokens * self.cost(rows + 1):
+                break
+            keep[sid] += 1
+            tokens += gain
+            rows += 1
+        for sid, n in proposals.items():
+            state = self.seqs.setdefault(sid, Acceptance())
+            if n and not keep[sid]:
+                state.idle += 1
+                if state.idle >= EXPLORE:
+                    keep[sid] = 1
+            if keep[sid]:
+                state.idle = 0
+        return keep
 
     def record(self, seq_id: int, drafted: int, accepted: int) -> None:
-        state = self.states.get(seq_id)
-        if state is None or not self.adaptive or not drafted:
-            return
-        if accepted == drafted:
-            state.length = min(self.max_length, state.length + 1)
-        else:
-            state.length = accepted + 1
-        state.failures = state.failures + 1 if accepted == 0 else 0
-        if state.failures >= 2:
-            state.paused = min(MAX_PAUSE, 2 ** (state.failures - 1))
+        rejected = 1.0 if accepted < drafted else 0.0
+        for a, decay in ((self.seqs.setdefault(seq_id, Acceptance()), DECAY),
+                         (self.total, TOTAL_DECAY)):
+            a.accepted = a.accepted * decay + accepted
+            a.rejected = a.rejected * decay + rejected
 
     def forget(self, seq_id: int) -> None:
-        self.states.pop(seq_id, None)
+        self.seqs.pop(seq_id, None)

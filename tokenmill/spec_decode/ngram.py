@@ -36,6 +36,8 @@ class NgramIndex:
 
 
 class NgramProposer:
+    cheap = True  # proposing costs no model pass: propose all, let the planner cut
+
     def __init__(self, config: SpeculativeConfig, **_) -> None:
         self.lo, self.hi = config.prompt_lookup_min, config.prompt_lookup_max
         self.indexes: dict[int, NgramIndex] = {}

@@ -53,6 +53,8 @@ def _match(indexes: list[SuffixIndex], ctx: list[int], longest: int) -> tuple[in
 
 
 class SuffixProposer:
+    cheap = True  # proposing costs no model pass: propose all, let the planner cut
+
     def __init__(self, config: SpeculativeConfig, **_) -> None:
         self.depth = config.suffix_decoding_max_tree_depth
         self.factor = config.suffix_decoding_max_spec_factor
