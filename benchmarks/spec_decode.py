@@ -5,7 +5,8 @@ Workloads (benchmarks/data/spec_prompts.json, chat-formatted, greedy, up to --ma
 'grounded' answers copy from the prompt (code with type hints, typo fixes, extraction into
 JSON); 'free' answers are free writing. Measured:
 - single stream: one request at a time; decode speed = tokens after the first / (end - first
-  token), summed over the prompts (the metric speculation changes; TTFT it does not);
+  token), summed over the prompts (the metric speculation changes; TTFT it does not). Every
+  prompt runs on every engine in turn, so the machine's drift (10-20% here) hits all alike;
 - 16 concurrent: every prompt twice (the second with a suffix, so nothing is cached whole) in
   one batch of 16: output tokens / wall time;
 - draft model: the default model dequantized to bfloat16 as the target, drafted by its own
@@ -33,10 +34,14 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine  # noqa: E402
 
 PROMPTS = json.loads((ROOT / "benchmarks" / "data" / "spec_prompts.json").read_text())
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-         "prompt_lookup_min": 2}
-NGRAM_VLLM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
-SUFFIX = {"method": "suffix", "num_speculative_tokens": 8}
+CONFIGS = {
+    "none": None,
+    "ngram k8 n2-8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
+                      "prompt_lookup_max": 8},
+    "ngram k4 n4 (vLLM's defaults)": {"method": "ngram", "num_speculative_tokens": 4,
+                                      "prompt_lookup_max": 4},
+    "suffix k8": {"method": "suffix", "num_speculative_tokens": 8},
+}
 
 
 def conversations(kind: str, twice: bool = False) -> list[list[dict]]:
@@ -45,63 +50,74 @@ def conversations(kind: str, twice: bool = False) -> list[list[dict]]:
     return [[{"role": "user", "content": t}] for t in texts]
 
 
-def single_stream(llm, kind: str, max_tokens: int) -> dict:
+def single_stream(engines: dict, kind: str, max_tokens: int, rounds: int) -> dict:
+    """Every prompt on every engine in turn (so a machine's drift hits all alike)."""
     from tokenmill import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    llm.chat(conversations(kind)[0], params, use_tqdm=False)  # warm-up
-    tokens = seconds = drafted = accepted = steps = 0
-    outputs = []
-    for conv in conversations(kind):
-        out = llm.chat(conv, params, use_tqdm=False)[0]
-        m = out.metrics
-        tokens += len(out.outputs[0].token_ids) - 1
-        seconds += m.token_times[-1] - m.token_times[0]
-        drafted += m.num_draft_tokens
-        accepted += m.num_accepted_tokens
-        steps += len(m.token_times) - 1
-        outputs.append(out.outputs[0].token_ids)
-    return {"decode_tok_s": tokens / seconds, "tokens": tokens,
-            "acceptance": accepted / drafted if drafted else None,
-            "tokens_per_step": tokens / steps, "outputs": outputs}
+    acc = {name: dict(tokens=0, seconds=0.0, drafted=0, accepted=0, steps=0, outputs=[])
+           for name in engines}
+    for llm in engines.values():
+        llm.chat(conversations(kind)[0], params, use_tqdm=False)  # warm-up
+    for _ in range(rounds):
+        for conv in conversations(kind):
+            for name, llm in engines.items():
+                out = llm.chat(conv, params, use_tqdm=False)[0]
+                m, a = out.metrics, acc[name]
+                a["tokens"] += len(out.outputs[0].token_ids) - 1
+                a["seconds"] += m.token_times[-1] - m.token_times[0]
+                a["drafted"] += m.num_draft_tokens
+                a["accepted"] += m.num_accepted_tokens
+                a["steps"] += len(m.token_times) - 1
+                a["outputs"].append(out.outputs[0].token_ids)
+    return {name: {"decode_tok_s": a["tokens"] / a["seconds"], "tokens": a["tokens"],
+                   "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None,
+                   "tokens_per_step": a["tokens"] / a["steps"], "outputs": a["outputs"]}
+            for name, a in acc.items()}
 
 
-def concurrent(llm, kind: str, max_tokens: int) -> dict:
+def concurrent(engines: dict, kind: str, max_tokens: int, rounds: int) -> dict:
+    """All prompts twice in one batch of 16, engine after engine, `rounds` times."""
     from tokenmill import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     convs = conversations(kind, twice=True)
-    llm.chat(convs[:2], params, use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outs = llm.chat(convs, params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    drafted = sum(o.metrics.num_draft_tokens for o in outs)
-    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
-    return {"output_tok_s": tokens / wall, "tokens": tokens,
-            "acceptance": accepted / drafted if drafted else None}
+    acc = {name: dict(tokens=0, seconds=0.0, drafted=0, accepted=0) for name in engines}
+    for llm in engines.values():
+        llm.chat(convs[:2], params, use_tqdm=False)  # warm-up
+    for _ in range(rounds):
+        for name, llm in engines.items():
+            start = time.perf_counter()
+            outs = llm.chat(convs, params, use_tqdm=False)
+            a = acc[name]
+            a["seconds"] += time.perf_counter() - start
+            a["tokens"] += sum(len(o.outputs[0].token_ids) for o in outs)
+            a["drafted"] += sum(o.metrics.num_draft_tokens for o in outs)
+            a["accepted"] += sum(o.metrics.num_accepted_tokens for o in outs)
+    return {name: {"output_tok_s": a["tokens"] / a["seconds"], "tokens": a["tokens"],
+                   "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None}
+            for name, a in acc.items()}
 
 
 def tokenmill_rows(args, model: str) -> dict:
     from tokenmill import LLM
 
-    rows = {}
-    configs = {"none": None, "ngram k4 n2-4": NGRAM, "ngram k4 n4 (vLLM defaults)": NGRAM_VLLM,
-               "suffix k8": SUFFIX}
-    for name, spec in configs.items():
-        llm = LLM(model, max_num_seqs=16, max_model_len=2048, speculative_config=spec)
-        rows[name] = {f"{kind} single": single_stream(llm, kind, args.max_tokens)
-                      for kind in ("grounded", "free")}
-        for kind in ("grounded", "free"):
-            rows[name][f"{kind} x16"] = concurrent(llm, kind, args.max_tokens)
-        del llm
-    for name, spec in (("bf16 target", None), ("bf16 target + Q4_1 draft k4",
-                                                {"model": model, "num_speculative_tokens": 4})):
-        llm = LLM(model, dtype="bfloat16", max_num_seqs=16, max_model_len=2048,
-                  speculative_config=spec)
-        rows[name] = {f"{kind} single": single_stream(llm, kind, args.max_tokens)
-                      for kind in ("grounded", "free")}
-        del llm
+    rows: dict[str, dict] = {}
+    engines = {name: LLM(model, max_num_seqs=16, max_model_len=2048, speculative_config=spec)
+               for name, spec in CONFIGS.items()}
+    for kind in ("grounded", "free"):
+        for name, r in single_stream(engines, kind, args.max_tokens, args.rounds).items():
+            rows.setdefault(name, {})[f"{kind} single"] = r
+        for name, r in concurrent(engines, kind, args.max_tokens, args.rounds).items():
+            rows[name][f"{kind} x16"] = r
+    del engines
+    draft = {name: LLM(model, dtype="bfloat16", max_num_seqs=16, max_model_len=2048,
+                       speculative_config=spec) for name, spec in (
+        ("bf16 target", None),
+        ("bf16 target + Q4_1 draft k4", {"model": model, "num_speculative_tokens": 4}))}
+    for kind in ("grounded", "free"):
+        for name, r in single_stream(draft, kind, args.max_tokens, args.rounds).items():
+            rows.setdefault(name, {})[f"{kind} single"] = r
     return rows
 
 
@@ -170,6 +186,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts")
     ap.add_argument("--no-llama-cpp", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -11,7 +11,7 @@ import pytest
 from tokenmill import SamplingParams
 from tokenmill.engine.sequence import Sequence
 from tokenmill.spec_decode import SpeculativeConfig
-from tokenmill.spec_decode.adaptive import DraftPlanner, StepCost
+from tokenmill.spec_decode.adaptive import EXPLORE, DraftPlanner, StepCost
 from tokenmill.spec_decode.ngram import NgramIndex, NgramProposer
 from tokenmill.spec_decode.suffix import SuffixProposer
 
@@ -35,7 +35,9 @@ def test_ngram_index_equals_the_naive_search_as_tokens_arrive():
         for _ in range(120):
             tokens.append(rng.randrange(4 + trial % 3))  # small alphabets: many matches
             k = rng.randint(1, 6)
-            assert index.propose(tokens, k) == naive_ngram(tokens, lo, hi, k)
+            drafts, matched = index.propose(tokens, k)
+            assert drafts == naive_ngram(tokens, lo, hi, k)
+            assert (matched > 0) == bool(drafts) and matched <= hi
 
 
 def test_ngram_proposer_drafts_from_the_prompt():
@@ -43,7 +45,8 @@ def test_ngram_proposer_drafts_from_the_prompt():
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 2)  # vLLM's rule
     seq = Sequence([5, 6, 7, 8, 9, 1, 2, 6, 7], SamplingParams())
     proposer = NgramProposer(config)
-    assert proposer.propose([seq], [3]) == [([8, 9, 1], None)]
+    [p] = proposer.propose([seq], [3])
+    assert (p.tokens, p.probs, p.kind) == ([8, 9, 1], None, 2)
     proposer.finished([seq])
     assert not proposer.indexes
     assert SpeculativeConfig(method="ngram", num_speculative_tokens=1).prompt_lookup_max == 5
@@ -58,22 +61,21 @@ def test_suffix_drafts_the_most_frequent_continuation():
     proposer = suffix_proposer(suffix_decoding_min_token_prob=0.0)
     # after "1 2" came "3 4" twice and "9" once: the draft follows the majority
     seq = Sequence([1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1, 2, 9, 0, 1, 2], SamplingParams())
-    drafts, _ = proposer.propose([seq], [3])[0]
-    assert drafts == [3, 4, 0]
+    assert proposer.propose([seq], [3])[0].tokens == [3, 4, 0]
 
 
 def test_suffix_stops_when_the_continuation_is_uncertain():
     proposer = suffix_proposer(suffix_decoding_min_token_prob=0.5)
     seq = Sequence([1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2], SamplingParams())  # 3, 4, 5: 1/3 each
-    assert proposer.propose([seq], [4]) == [([], None)]
+    assert proposer.propose([seq], [4])[0].tokens == []
 
 
 def test_suffix_length_follows_the_match_length():
     proposer = suffix_proposer(suffix_decoding_max_spec_factor=1.0,
                                suffix_decoding_min_token_prob=0.0)
     seq = Sequence([7, 1, 2, 3, 4, 5, 6, 8, 7], SamplingParams())  # "7" matched: 1 token
-    drafts, _ = proposer.propose([seq], [8])[0]
-    assert drafts == [1]
+    [p] = proposer.propose([seq], [8])
+    assert p.tokens == [1] and p.kind == 1
 
 
 def test_suffix_uses_recent_requests_only_when_asked():
@@ -87,7 +89,7 @@ def test_suffix_uses_recent_requests_only_when_asked():
         proposer.propose([old], [1])
         proposer.finished([old])
         new = Sequence([3, 4, 10, 11], SamplingParams())
-        assert proposer.propose([new], [4])[0][0] == expected
+        assert proposer.propose([new], [4])[0].tokens == expected
 
 
 def test_suffix_cache_forgets_the_oldest_requests():
@@ -99,41 +101,53 @@ def test_suffix_cache_forgets_the_oldest_requests():
         seq.token_ids += [100 + i, 200 + i, 300 + i]
         proposer.finished([seq])
     probe = Sequence([5, 100], SamplingParams())  # the first request was evicted
-    assert proposer.propose([probe], [2])[0][0] == []
+    assert proposer.propose([probe], [2])[0].tokens == []
     probe = Sequence([5, 102], SamplingParams())
-    assert proposer.propose([probe], [2])[0][0] == [202, 302]
+    assert proposer.propose([probe], [2])[0].tokens == [202, 302]
     assert all(count > 0 for row in proposer.shared.counts.values() for count in row.values())
 
 
 def test_step_cost_interpolates_and_never_decreases():
-    cost = StepCost([1, 4, 8], [1.0, 1.2, 0.9])  # a noisy measurement at 8 rows
+    cost = StepCost([1, 4, 8, 16], [1.0, 1.6, 1.2, 2.0])  # a slow outlier at 4 rows
+    assert cost.seconds == [1.0, 1.2, 1.2, 2.0]
     assert cost(1) == 1.0 and cost(2) == pytest.approx(1.0 + 0.2 / 3)
-    assert cost(8) == 1.2 and cost(16) == 1.2
+    assert cost(12) == pytest.approx(1.6) and cost(32) == pytest.approx(3.6)  # last slope
+    for rows in (1, 4, 16) * 20:  # real steps: twice the measured forward time, + 0.5
+        cost.observe(rows, 2 * cost.forward(rows) + 0.5)
+    assert cost.scale == pytest.approx(2.0) and cost.overhead == pytest.approx(0.5)
+    cost.observe(1, 50.0)  # one slow step (a long prompt indexed) is clipped
+    assert cost(1) < 2.7
     assert StepCost([2], [2.0])(4) == 4.0
     assert StepCost.measure(lambda r: 0.1 * r, 10).rows == [1, 2, 3, 4, 6, 8, 10]
 
 
 def test_planner_keeps_drafts_that_pay_for_themselves():
     flat = DraftPlanner(4, StepCost([1, 64], [1.0, 1.0]))  # memory-bound: rows are free
-    assert flat.plan({1: 4, 2: 2}, base_rows=2) == {1: 4, 2: 2}
+    assert flat.plan({1: (4, 0), 2: (2, 0)}, base_rows=2) == {1: 4, 2: 2}
     linear = DraftPlanner(4, StepCost([1, 64], [1.0, 64.0]))  # a row costs a token
-    assert linear.plan({1: 4, 2: 4}, base_rows=2) == {1: 0, 2: 0}
+    assert linear.plan({1: (4, 0), 2: (4, 0)}, base_rows=2) == {1: 0, 2: 0}
     knee = StepCost([1, 4, 64], [1.0, 1.1, 64.0])  # cheap up to 4 rows, then ~1 a row
     planner = DraftPlanner(8, knee)
     for _ in range(20):
-        planner.record(1, 4, 4)  # sequence 1's drafts are always right
-    assert planner.alpha(1) > 0.8
-    assert planner.plan({1: 8}, base_rows=1)[1] == 3  # free rows used, no paid ones
-    assert DraftPlanner(3).plan({1: 8, 2: 1}, base_rows=1) == {1: 3, 2: 1}  # no cost: max
+        planner.record(6, 4, 4)  # drafts after 6-token matches are always right
+    assert planner.alpha(6) > 0.8
+    assert planner.plan({1: (8, 6)}, base_rows=1)[1] == 3  # free rows used, no paid ones
+    assert DraftPlanner(3).plan({1: (8, 0), 2: (1, 0)}, base_rows=1) == {1: 3, 2: 1}
 
 
-def test_failing_sequences_draft_less_than_good_ones():
+def test_drafts_of_failing_kinds_are_dropped_first():
     planner = DraftPlanner(4, StepCost([1, 8, 64], [1.0, 1.5, 10.0]))
     for _ in range(10):
-        planner.record(1, 4, 4)
-        planner.record(2, 4, 0)
-    assert planner.alpha(2) < 0.3 < 0.8 < planner.alpha(1)
-    keep = planner.plan({1: 4, 2: 4, 3: 4}, base_rows=3)
-    assert keep[1] > keep[3] > keep[2] == 0  # 3 is new: the engine's mixed rate
-    planner.forget(2)
-    assert 2 not in planner.seqs
+        planner.record(6, 4, 4)
+        planner.record(1, 4, 0)
+    assert planner.alpha(1) < 0.3 < 0.8 < planner.alpha(6)
+    keep = planner.plan({1: (4, 6), 2: (4, 1), 3: (4, 3)}, base_rows=3)
+    assert keep[1] > keep[3] > keep[2] == 0  # kind 3 is new: the engine's mixed rate
+
+
+def test_a_sequence_without_drafts_for_long_tries_one():
+    planner = DraftPlanner(4, StepCost([1, 64], [1.0, 64.0]))  # drafts never pay here
+    kept = [planner.plan({7: (4, 0)}, base_rows=1)[7] for _ in range(EXPLORE)]
+    assert kept == [0] * (EXPLORE - 1) + [1]
+    planner.forget(7)
+    assert 7 not in planner.seqs

@@ -31,6 +31,7 @@ class SpecDecoder:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.accepted_counts = [0] * (config.num_speculative_tokens + 1)  # steps by accepted
+        self.kinds: dict[int, int] = {}  # seq_id -> the kind of its current drafts
 
     def propose(self, running: list[Sequence]) -> None:
         limit = self.config.disable_by_batch_size
@@ -45,18 +46,19 @@ class SpecDecoder:
         if not seqs:
             return
         if getattr(self.proposer, "cheap", False):  # propose all, then keep what pays
-            drafts = self._proposals(seqs, [room[s.seq_id] for s in seqs])
-            keep = self.planner.plan({s.seq_id: len(drafts[s.seq_id][0]) for s in seqs},
+            props = self._proposals(seqs, [room[s.seq_id] for s in seqs])
+            keep = self.planner.plan({sid: (len(p.tokens), p.kind) for sid, p in props.items()},
                                      base_rows)
         else:  # a draft model's tokens cost passes: decide first, then draft that many
-            keep = self.planner.plan({s.seq_id: room[s.seq_id] for s in seqs}, base_rows)
+            keep = self.planner.plan({s.seq_id: (room[s.seq_id], 0) for s in seqs}, base_rows)
             seqs = [s for s in seqs if keep[s.seq_id]]
-            drafts = self._proposals(seqs, [keep[s.seq_id] for s in seqs])
+            props = self._proposals(seqs, [keep[s.seq_id] for s in seqs])
         for seq in seqs:
-            tokens, probs = drafts[seq.seq_id]
-            k = min(keep[seq.seq_id], len(tokens))
-            seq.spec_token_ids = list(tokens[:k])
-            seq.spec_draft_probs = probs[:k] if probs is not None and k else None
+            p = props[seq.seq_id]
+            k = min(keep[seq.seq_id], len(p.tokens))
+            seq.spec_token_ids = list(p.tokens[:k])
+            seq.spec_draft_probs = p.probs[:k] if p.probs is not None and k else None
+            self.kinds[seq.seq_id] = p.kind
 
     def _proposals(self, seqs: list[Sequence], lengths: list[int]) -> dict:
         if not seqs:
@@ -77,7 +79,7 @@ class SpecDecoder:
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.accepted_counts[accepted] += 1
-        self.planner.record(seq.seq_id, drafted, accepted)
+        self.planner.record(self.kinds.pop(seq.seq_id, 0), drafted, accepted)
 
     def observe_step(self, rows: int, seconds: float) -> None:
         """A whole engine step of decode rows only took `seconds` (the planner's cost)."""
@@ -89,6 +91,7 @@ class SpecDecoder:
         self.proposer.finished(seqs)
         for seq in seqs:
             self.planner.forget(seq.seq_id)
+            self.kinds.pop(seq.seq_id, None)
 
     def stats(self) -> dict:
         return {"spec_num_drafts": self.num_drafts,
@@ -100,7 +103,7 @@ class SpecDecoder:
 @torch.inference_mode()
 def measure_step_cost(runner, kv_manager, max_rows: int, context: int = 128) -> StepCost | None:
     """Seconds of a decode step of the target by its number of rows (one sequence at
-    `context` tokens verifying rows - 1 drafts), best of two after a warm-up."""
+    `context` tokens verifying rows - 1 drafts), best of five after a warm-up."""
     max_rows = min(max_rows, MAX_MEASURED_ROWS)
     seq = Sequence([1] * context, SamplingParams(max_tokens=1))
     if not kv_manager.can_allocate(seq, context + max_rows):
@@ -111,7 +114,7 @@ def measure_step_cost(runner, kv_manager, max_rows: int, context: int = 128) -> 
     def seconds(rows: int) -> float:
         seq.spec_token_ids = [1] * (rows - 1)
         best = float("inf")
-        for _ in range(2):
+        for _ in range(5):
             start = time.perf_counter()
             input_ids, positions, ctx, _ = runner.prepare([(seq, rows)])
             runner.logits(runner.forward(input_ids, positions, ctx))

@@ -1,8 +1,8 @@
 """Speculative decoding: proposers draft tokens for decoding sequences, the target model
 verifies all drafts of a step in one forward pass (engine/model_runner.py: one decode row per
 draft; layers/rejection_sampler.py: exact acceptance). A proposer is one file and one entry in
-PROPOSERS: a class built from the SpeculativeConfig with propose(seqs, lengths) -> [(drafts,
-draft probabilities or None)] and finished(seqs)."""
+PROPOSERS: a class built from the SpeculativeConfig with propose(seqs, lengths) -> [Proposal]
+(spec_decode/proposal.py) and finished(seqs)."""
 
 from __future__ import annotations
 

@@ -6,12 +6,13 @@ token, so only drafts that are likely to be accepted are worth it. The planner t
 weighs each draft's chance of being accepted against the step's measured cost:
 
 - StepCost: seconds of a decode step by its number of rows: the model's forward pass
-  measured at start (piecewise linear between the measured row counts) plus the engine's
-  fixed cost per step (scheduling, sampling, detokenizing), followed from the steps it runs;
-- per sequence, the chance that a draft is accepted given the ones before it were, alpha
-  (accepted / (accepted + rejections), counts that decay, smoothed toward the engine's
-  running rate so a new sequence starts from what the workload has shown); draft i of a
-  sequence is accepted with probability alpha^i;
+  measured at start (piecewise linear between the measured row counts), calibrated by the
+  steps the engine really runs (their scheduling, sampling and detokenizing included);
+- per kind of proposal (the n-gram and suffix proposers: the matched length, a strong signal:
+  a 6-token match's continuation is right far more often than a 1-token match's), the chance
+  that a draft is accepted given the ones before it were, alpha (accepted / (accepted +
+  rejections), counts that decay, smoothed toward the engine's running rate so a new kind
+  starts from what the workload has shown); draft i is accepted with probability alpha^i;
 - drafts are taken best first while they raise the step's expected tokens per second:
   (tokens + alpha^i) / cost(rows + 1) > tokens / cost(rows).
 A sequence whose drafts fail thus drafts less and less, down to none, and the engine never
@@ -23,25 +24,35 @@ its estimate can recover when its text turns repetitive.
 from __future__ import annotations
 
 import bisect
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-DECAY = 0.9  # per verify step of a sequence: its recent acceptance counts more
+DECAY = 0.98  # per verify step of a kind: recent acceptance counts more
 TOTAL_DECAY = 0.99  # per verify step of any sequence, for the engine's running rate
 EXPLORE = 32
+OBSERVED_STEPS = 256
 PRIOR = 2.0  # pseudo-counts pulling a sequence's alpha toward the engine's rate
 
 
 class StepCost:
-    """Seconds of a step with r rows, from measured (rows, seconds), non-decreasing."""
+    """Seconds of an engine step with r decode rows. The forward pass is measured at start
+    (made non-decreasing from the right: a slow outlier is lowered to what more rows took,
+    rather than raising every larger count); the engine's real steps then calibrate it: their
+    seconds are fit as scale x forward(r) + overhead over the recent steps (real contexts are
+    longer than the measurement's, and each row adds sampling work), by least squares on
+    observations clipped to 3x the prediction (a step that indexed a long prompt is not
+    typical)."""
 
     def __init__(self, rows: list[int], seconds: list[float]) -> None:
         self.rows = list(rows)
-        self.seconds = [max(seconds[: i + 1]) for i in range(len(seconds))]
-        self.overhead = 0.0  # the engine's own seconds per step, beyond the forward pass
+        self.seconds = [min(seconds[i:]) for i in range(len(seconds))]
+        self.scale, self.overhead = 1.0, 0.0
+        self.recent: deque[tuple[float, float]] = deque(maxlen=OBSERVED_STEPS)
 
     def __call__(self, r: int) -> float:
-        return self.forward(r) + self.overhead
+        return self.scale * self.forward(r) + self.overhead
 
     def forward(self, r: int) -> float:
         rows, secs = self.rows, self.seconds
@@ -53,8 +64,14 @@ class StepCost:
 
     def observe(self, rows: int, seconds: float) -> None:
         """A whole engine step of `rows` decode rows took `seconds`."""
-        extra = max(seconds - self.forward(rows), 0.0)
-        self.overhead = extra if not self.overhead else 0.9 * self.overhead + 0.1 * extra
+        f = self.forward(rows)
+        self.recent.append((f, min(seconds, 3 * self(rows))))
+        xs, ys = zip(*self.recent)
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        var = sum((x - mx) ** 2 for x in xs)
+        if var > 1e-4 * mx * mx * len(xs):  # several row counts seen: fit the slope too
+            self.scale = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.5)
+        self.overhead = max(my - self.scale * mx, 0.0)
 
     @classmethod
     def measure(cls, time_rows: Callable[[int], float], max_rows: int) -> StepCost:
@@ -74,21 +91,23 @@ class DraftPlanner:
     def __init__(self, max_length: int, cost: StepCost | None = None) -> None:
         self.max_length = max_length
         self.cost = cost  # None: no planning, always draft max_length
-        self.seqs: dict[int, Acceptance] = {}
+        self.kinds: dict[int, Acceptance] = {}
+        self.seqs: dict[int, Acceptance] = {}  # per sequence: steps without a draft (idle)
         self.total = Acceptance(1.0, 1.0)  # the engine's running counts (prior: alpha 0.5)
 
-    def alpha(self, seq_id: int) -> float:
-        s, t = self.seqs.get(seq_id) or Acceptance(), self.total
+    def alpha(self, kind: int) -> float:
+        s, t = self.kinds.get(kind) or Acceptance(), self.total
         rate = t.accepted / (t.accepted + t.rejected)
         return (s.accepted + PRIOR * rate) / (s.accepted + s.rejected + PRIOR)
 
-    def plan(self, proposals: dict[int, int], base_rows: int) -> dict[int, int]:
-        """Drafts to keep per sequence (of the proposed counts), with base_rows rows in the
-        step before any draft (one per decoding sequence, plus prefill tokens)."""
+    def plan(self, proposals: dict[int, tuple[int, int]], base_rows: int) -> dict[int, int]:
+        """Drafts to keep per sequence of its proposal (count, kind), with base_rows rows in
+        the step before any draft (one per decoding sequence, plus prefill tokens)."""
         if self.cost is None:
-            return {sid: min(n, self.max_length) for sid, n in proposals.items()}
-        gains = sorted(((self.alpha(sid) ** (i + 1), sid) for sid, n in proposals.items()
-                        for i in range(min(n, self.max_length))), reverse=True)
+            return {sid: min(n, self.max_length) for sid, (n, _) in proposals.items()}
+        gains = sorted(((self.alpha(kind) ** (i + 1), sid) for sid, (n, kind) in
+                        proposals.items() for i in range(min(n, self.max_length))),
+                       reverse=True)
         keep = dict.fromkeys(proposals, 0)
         tokens, rows = float(max(base_rows, 1)), max(base_rows, 1)
         for gain, sid in gains:
@@ -97,7 +116,7 @@ class DraftPlanner:
             keep[sid] += 1
             tokens += gain
             rows += 1
-        for sid, n in proposals.items():
+        for sid, (n, _) in proposals.items():
             state = self.seqs.setdefault(sid, Acceptance())
             if n and not keep[sid]:
                 state.idle += 1
@@ -107,9 +126,9 @@ class DraftPlanner:
                 state.idle = 0
         return keep
 
-    def record(self, seq_id: int, drafted: int, accepted: int) -> None:
+    def record(self, kind: int, drafted: int, accepted: int) -> None:
         rejected = 1.0 if accepted < drafted else 0.0
-        for a, decay in ((self.seqs.setdefault(seq_id, Acceptance()), DECAY),
+        for a, decay in ((self.kinds.setdefault(kind, Acceptance()), DECAY),
                          (self.total, TOTAL_DECAY)):
             a.accepted = a.accepted * decay + accepted
             a.rejected = a.rejected * decay + rejected

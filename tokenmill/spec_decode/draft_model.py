@@ -24,6 +24,7 @@ from tokenmill.layers.sampler import Sampler, SamplingMetadata
 from tokenmill.loaders import load_model
 from tokenmill.loaders.resolve import read_model_config, resolve_model
 from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.proposal import Proposal
 
 logger = logging.getLogger("tokenmill")
 DRAFT_SEED_OFFSET = 0x5EED  # a seeded request's drafts use seed + this (not its own stream)
@@ -75,8 +76,8 @@ class DraftModelProposer:
                 drafts[s.seq_id].append(t)
                 if row is not None:
                     probs[s.seq_id].append(row)
-        return [(drafts[s.seq_id], torch.stack(probs[s.seq_id]) if probs[s.seq_id] else None)
-                for s in seqs]
+        return [Proposal(drafts[s.seq_id], torch.stack(probs[s.seq_id]) if probs[s.seq_id]
+                         else None) for s in seqs]
 
     def finished(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from tokenmill.engine.sequence import Sequence
 from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.proposal import Proposal
 
 
 class NgramIndex:
@@ -25,14 +26,15 @@ class NgramIndex:
                 self.ends[tuple(tokens[e - n: e])] = e
         self.indexed = max(self.indexed, len(tokens))
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """What followed the latest earlier occurrence of the longest suffix of tokens."""
+    def propose(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """What followed the latest earlier occurrence of the longest suffix of tokens, and
+        that suffix's length (0: no match)."""
         self.extend(tokens)
         for n in range(min(self.hi, len(tokens) - 1), self.lo - 1, -1):
             end = self.ends.get(tuple(tokens[len(tokens) - n:]))
             if end is not None:
-                return tokens[end: end + k]
-        return []
+                return tokens[end: end + k], n
+        return [], 0
 
 
 class NgramProposer:
@@ -42,13 +44,14 @@ class NgramProposer:
         self.lo, self.hi = config.prompt_lookup_min, config.prompt_lookup_max
         self.indexes: dict[int, NgramIndex] = {}
 
-    def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[tuple[list[int], None]]:
+    def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[Proposal]:
         out = []
         for seq, k in zip(seqs, lengths):
             index = self.indexes.get(seq.seq_id)
             if index is None:
                 index = self.indexes[seq.seq_id] = NgramIndex(self.lo, self.hi)
-            out.append((index.propose(seq.token_ids, k), None))
+            tokens, matched = index.propose(seq.token_ids, k)
+            out.append(Proposal(tokens, kind=matched))  # longer matches: likelier drafts
         return out
 
     def finished(self, seqs: list[Sequence]) -> None:

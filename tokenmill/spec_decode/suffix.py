@@ -11,6 +11,9 @@ from collections import OrderedDict
 
 from tokenmill.engine.sequence import Sequence
 from tokenmill.spec_decode.config import SpeculativeConfig
+from tokenmill.spec_decode.proposal import Proposal
+
+MAX_KIND = 16  # matched lengths beyond this are one kind for the planner's statistics
 
 
 class SuffixIndex:
@@ -64,16 +67,16 @@ class SuffixProposer:
         self.shared = SuffixIndex(self.depth)  # recent requests' outputs (opt-in)
         self.cached: OrderedDict[int, list[int]] = OrderedDict()
 
-    def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[tuple[list[int], None]]:
-        return [(self._propose(seq, k), None) for seq, k in zip(seqs, lengths)]
+    def propose(self, seqs: list[Sequence], lengths: list[int]) -> list[Proposal]:
+        return [self._propose(seq, k) for seq, k in zip(seqs, lengths)]
 
-    def _propose(self, seq: Sequence, k: int) -> list[int]:
+    def _propose(self, seq: Sequence, k: int) -> Proposal:
         index = self.local.setdefault(seq.seq_id, SuffixIndex(self.depth))
         index.add(seq.token_ids)
         indexes = [index, self.shared] if self.cached else [index]
         ctx, drafts, prob = list(seq.token_ids), [], 1.0
         matched, counts = _match(indexes, ctx, self.depth)
-        budget = min(k, int(self.factor * matched + 0.999))
+        kind, budget = min(matched, MAX_KIND), min(k, int(self.factor * matched + 0.999))
         while counts and len(drafts) < budget:
             token, count = max(counts.items(), key=lambda tc: tc[1])
             prob *= count / sum(counts.values())
@@ -82,7 +85,7 @@ class SuffixProposer:
             drafts.append(token)
             ctx.append(token)
             matched, counts = _match(indexes, ctx, min(matched + 1, self.depth))
-        return drafts
+        return Proposal(drafts, kind=kind)
 
     def finished(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
