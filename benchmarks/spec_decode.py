@@ -7,8 +7,9 @@ JSON); 'free' answers are free writing. Measured:
 - single stream: one request at a time; decode speed = tokens after the first / (end - first
   token), summed over the prompts (the metric speculation changes; TTFT it does not). Every
   prompt runs on every engine in turn, so the machine's drift (10-20% here) hits all alike;
-- 16 concurrent: every prompt twice (the second with a suffix, so nothing is cached whole) in
-  one batch of 16: output tokens / wall time;
+- 16 concurrent: 32 requests (every prompt in 4 variants, so nothing is cached whole) through
+  16 batch slots, as 16 clients sending one request after another would: output tokens / wall
+  time;
 - draft model: the default model dequantized to bfloat16 as the target, drafted by its own
   Q4_1 file (native int8-activation kernels): an honest stand-in for a small draft of a larger
   model with the same vocabulary.
@@ -44,10 +45,14 @@ CONFIGS = {
 }
 
 
-def conversations(kind: str, twice: bool = False) -> list[list[dict]]:
-    texts = PROMPTS[kind] + ([p + "\n\nAnswer carefully." for p in PROMPTS[kind]] if twice
-                             else [])
-    return [[{"role": "user", "content": t}] for t in texts]
+VARIANTS = ["", "\n\nAnswer carefully.", "\n\nBe concise.", "\n\nThank you!"]
+
+
+def conversations(kind: str, variants: int = 1) -> list[list[dict]]:
+    """The prompts of a kind; with variants > 1, each again with a closing sentence (so no
+    answer is served whole from the prefix cache)."""
+    return [[{"role": "user", "content": p + v}] for v in VARIANTS[:variants]
+            for p in PROMPTS[kind]]
 
 
 def single_stream(engines: dict, kind: str, max_tokens: int, rounds: int) -> dict:
@@ -77,11 +82,12 @@ def single_stream(engines: dict, kind: str, max_tokens: int, rounds: int) -> dic
 
 
 def concurrent(engines: dict, kind: str, max_tokens: int, rounds: int) -> dict:
-    """All prompts twice in one batch of 16, engine after engine, `rounds` times."""
+    """32 requests (every prompt in 4 variants) through 16 batch slots (continuous batching:
+    a finished request's slot is taken by the next), engine after engine, `rounds` times."""
     from tokenmill import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    convs = conversations(kind, twice=True)
+    convs = conversations(kind, variants=4)
     acc = {name: dict(tokens=0, seconds=0.0, drafted=0, accepted=0) for name in engines}
     for llm in engines.values():
         llm.chat(convs[:2], params, use_tqdm=False)  # warm-up
