@@ -40,6 +40,8 @@ class SpecDecoder:
         decoding = [s for s in running if s.is_decoding]
         base_rows = len(decoding) + sum(s.num_uncomputed_tokens for s in running
                                         if not s.is_decoding)
+        if not self.planner.worthwhile(base_rows):
+            return
         room = {s.seq_id: min(self.config.num_speculative_tokens, self._room(s))
                 for s in decoding}
         seqs = [s for s in decoding if room[s.seq_id] > 0]

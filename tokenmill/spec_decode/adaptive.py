@@ -13,8 +13,9 @@ weighs each draft's chance of being accepted against the step's measured cost:
   that a draft is accepted given the ones before it were, alpha (accepted / (accepted +
   rejections), counts that decay, smoothed toward the engine's running rate so a new kind
   starts from what the workload has shown); draft i is accepted with probability alpha^i;
-- drafts are taken best first while they raise the step's expected tokens per second:
-  (tokens + alpha^i) / cost(rows + 1) > tokens / cost(rows).
+- drafts are taken best first while they raise the step's expected tokens per second, by a
+  margin: (tokens + alpha^i / 1.05) / cost(rows + 1) > tokens / cost(rows); when not even the
+  likeliest draft would, nothing is proposed (proposing has its own small cost).
 A sequence whose drafts fail thus drafts less and less, down to none, and the engine never
 pays much for speculation that does not work; the same rule keeps drafts short in big batches.
 A sequence that has had proposals but no draft for EXPLORE steps verifies one draft anyway, so
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 DECAY = 0.98  # per verify step of a kind: recent acceptance counts more
 TOTAL_DECAY = 0.99  # per verify step of any sequence, for the engine's running rate
 EXPLORE = 32
+MARGIN = 1.05  # a draft's expected tokens must beat what its row costs by 5%
 OBSERVED_STEPS = 256
 PRIOR = 2.0  # pseudo-counts pulling a sequence's alpha toward the engine's rate
 
@@ -100,6 +102,15 @@ class DraftPlanner:
         rate = t.accepted / (t.accepted + t.rejected)
         return (s.accepted + PRIOR * rate) / (s.accepted + s.rejected + PRIOR)
 
+    def worthwhile(self, base_rows: int) -> bool:
+        """Whether a draft could pay at all this step (the likeliest kind's first draft);
+        when not, the engine skips proposing."""
+        if self.cost is None:
+            return True
+        best = max((self.alpha(kind) for kind in self.kinds), default=1.0)
+        rows = max(base_rows, 1)
+        return (rows + best / MARGIN) * self.cost(rows) > rows * self.cost(rows + 1)
+
     def plan(self, proposals: dict[int, tuple[int, int]], base_rows: int) -> dict[int, int]:
         """Drafts to keep per sequence of its proposal (count, kind), with base_rows rows in
         the step before any draft (one per decoding sequence, plus prefill tokens)."""
@@ -111,7 +122,7 @@ class DraftPlanner:
         keep = dict.fromkeys(proposals, 0)
         tokens, rows = float(max(base_rows, 1)), max(base_rows, 1)
         for gain, sid in gains:
-            if (tokens + gain) * self.cost(rows) <= tokens * self.cost(rows + 1):
+            if (tokens + gain / MARGIN) * self.cost(rows) <= tokens * self.cost(rows + 1):
                 break
             keep[sid] += 1
             tokens += gain
