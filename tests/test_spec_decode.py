@@ -22,13 +22,16 @@ def tiny_draft(tmp_path_factory):
     return str(path)
 
 
-def spec(method: str, k: int, draft: str | None = None) -> dict:
+def spec(method: str, k: int, draft: str | None = None, adaptive: bool = False) -> dict:
+    """A config; not adaptive unless asked, so that every step drafts k (when the proposer has
+    that many) whatever this machine's timings make the planner choose."""
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3,
-                "prompt_lookup_min": 1}
-    if method == "suffix":
-        return {"method": "suffix", "num_speculative_tokens": k}
-    return {"model": draft, "num_speculative_tokens": k}
+        config = {"method": "ngram", "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    elif method == "suffix":
+        config = {"method": "suffix"}
+    else:
+        config = {"model": draft}
+    return {**config, "num_speculative_tokens": k, "adaptive": adaptive}
 
 
 def prompts(count: int = 8, seed: int = 3) -> list[list[int]]:
@@ -77,6 +80,17 @@ def test_greedy_is_token_identical_batched_with_chunked_prefill(tiny_llama, tiny
     assert sum(stats["spec_accepted_counts"]) == stats["spec_num_drafts"]
     if method != "draft":
         assert 0 < accepted < drafted  # both paths taken: accepted and rejected drafts
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
+def test_greedy_is_token_identical_with_the_planner(tiny_llama, tiny_draft, expected, method):
+    """The adaptive planner (timing-dependent draft lengths) changes nothing in the output."""
+    path, _ = tiny_llama
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=24,
+              speculative_config=spec(method, 6, tiny_draft, adaptive=True))
+    assert llm.engine.spec.planner.cost is not None
+    assert run(llm, prompts())[0] == expected[3]
     assert_all_free(llm)
 
 
