@@ -55,6 +55,13 @@ def conversations(kind: str, variants: int = 1) -> list[list[dict]]:
             for p in PROMPTS[kind]]
 
 
+def _order(engines: dict, r: int) -> list:
+    """The engines in turn, reversed every other round (identical engines measured 5% apart
+    by position alone)."""
+    items = list(engines.items())
+    return items if r % 2 == 0 else items[::-1]
+
+
 def single_stream(engines: dict, kind: str, max_tokens: int, rounds: int) -> dict:
     """Every prompt on every engine in turn (so a machine's drift hits all alike)."""
     from tokenmill import SamplingParams
@@ -64,9 +71,9 @@ def single_stream(engines: dict, kind: str, max_tokens: int, rounds: int) -> dic
            for name in engines}
     for llm in engines.values():
         llm.chat(conversations(kind)[0], params, use_tqdm=False)  # warm-up
-    for _ in range(rounds):
+    for r in range(rounds):
         for conv in conversations(kind):
-            for name, llm in engines.items():
+            for name, llm in _order(engines, r):
                 out = llm.chat(conv, params, use_tqdm=False)[0]
                 m, a = out.metrics, acc[name]
                 a["tokens"] += len(out.outputs[0].token_ids) - 1
@@ -91,8 +98,8 @@ def concurrent(engines: dict, kind: str, max_tokens: int, rounds: int) -> dict:
     acc = {name: dict(tokens=0, seconds=0.0, drafted=0, accepted=0) for name in engines}
     for llm in engines.values():
         llm.chat(convs[:2], params, use_tqdm=False)  # warm-up
-    for _ in range(rounds):
-        for name, llm in engines.items():
+    for r in range(rounds):
+        for name, llm in _order(engines, r):
             start = time.perf_counter()
             outs = llm.chat(convs, params, use_tqdm=False)
             a = acc[name]
@@ -192,7 +199,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--rounds", type=int, default=2, help="passes over the prompts")
+    ap.add_argument("--rounds", type=int, default=3, help="passes over the prompts")
     ap.add_argument("--no-llama-cpp", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -42,45 +42,41 @@ class EngineStatsCollector:
 
     def collect(self):
         s = self.stats()
-        for name, doc, key in (
+        yield from self._families(s, GaugeMetricFamily, (
             ("num_requests_running", "Sequences in the running batch.", "num_running"),
             ("num_requests_waiting", "Sequences waiting to be scheduled.", "num_waiting"),
             ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).",
              "kv_cache_usage"),
-        ):
-            family = GaugeMetricFamily(f"tokenmill:{name}", doc, labels=LABELS)
-            family.add_metric([self.model_name], float(s[key]))
-            yield family
-        family = GaugeMetricFamily("tokenmill:kv_cache_used_bytes",
-                                   "Bytes of KV cache blocks held by sequences.", labels=LABELS)
-        family.add_metric([self.model_name], float(s["kv_cache_used_bytes"]))
-        yield family
-        for name, doc, key in (
+            ("kv_cache_used_bytes", "Bytes of KV cache blocks held by sequences.",
+             "kv_cache_used_bytes"),
+        ))
+        yield from self._families(s, CounterMetricFamily, (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
              "prefix_cache_queries"),
             ("prefix_cache_hits", "Prompt tokens served by the prefix cache.",
              "prefix_cache_hits"),
             ("num_preemptions", "Sequences preempted (KV blocks freed, recomputed later).",
              "num_preemptions"),
-        ):
-            family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=LABELS)
-            family.add_metric([self.model_name], float(s[key]))
-            yield family
+        ))
         if "spec_accepted_counts" in s:
             yield from self._spec_decode(s)
 
+    def _families(self, s: dict, kind, table):
+        """One metric family of `kind` per (name, doc, stats key)."""
+        for name, doc, key in table:
+            family = kind(f"tokenmill:{name}", doc, labels=LABELS)
+            family.add_metric([self.model_name], float(s[key]))
+            yield family
+
     def _spec_decode(self, s: dict):
         """Speculative decoding (only when it is configured), with vLLM's names."""
-        for name, doc, key in (
+        yield from self._families(s, CounterMetricFamily, (
             ("spec_decode_num_drafts", "Verify steps that checked drafted tokens.",
              "spec_num_drafts"),
             ("spec_decode_num_draft_tokens", "Drafted tokens verified.", "spec_num_draft_tokens"),
             ("spec_decode_num_accepted_tokens", "Drafted tokens accepted.",
              "spec_num_accepted_tokens"),
-        ):
-            family = CounterMetricFamily(f"tokenmill:{name}", doc, labels=LABELS)
-            family.add_metric([self.model_name], float(s[key]))
-            yield family
+        ))
         counts = s["spec_accepted_counts"]  # verify steps by drafts accepted: 0, 1, ... k
         family = HistogramMetricFamily(
             "tokenmill:spec_decode_acceptance_length",

@@ -64,6 +64,7 @@ class SuffixProposer:
         self.min_prob = config.suffix_decoding_min_token_prob
         self.max_cached = config.suffix_decoding_max_cached_requests
         self.local: dict[int, SuffixIndex] = {}
+        self.last: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens, matched) last time
         self.shared = SuffixIndex(self.depth)  # recent requests' outputs (opt-in)
         self.cached: OrderedDict[int, list[int]] = OrderedDict()
 
@@ -75,7 +76,12 @@ class SuffixProposer:
         index.add(seq.token_ids)
         indexes = [index, self.shared] if self.cached else [index]
         ctx, drafts, prob = list(seq.token_ids), [], 1.0
-        matched, counts = _match(indexes, ctx, self.depth)
+        # A suffix that matches now matched, Δ tokens shorter, at the last proposal: start the
+        # search there, not at the full depth (each length tried builds a tuple).
+        last_len, last_match = self.last.get(seq.seq_id, (0, self.depth))
+        longest = min(self.depth, last_match + len(ctx) - last_len)
+        matched, counts = _match(indexes, ctx, longest)
+        self.last[seq.seq_id] = (len(ctx), matched)
         kind, budget = min(matched, MAX_KIND), min(k, int(self.factor * matched + 0.999))
         while counts and len(drafts) < budget:
             token, count = max(counts.items(), key=lambda tc: tc[1])
@@ -90,6 +96,7 @@ class SuffixProposer:
     def finished(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             self.local.pop(seq.seq_id, None)
+            self.last.pop(seq.seq_id, None)
             if self.max_cached and seq.output_token_ids:
                 self._cache(seq.seq_id, seq.output_token_ids)
 
