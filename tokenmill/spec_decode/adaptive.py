@@ -14,7 +14,7 @@ weighs each draft's chance of being accepted against the step's measured cost:
   rejections), counts that decay, smoothed toward the engine's running rate so a new kind
   starts from what the workload has shown); draft i is accepted with probability alpha^i;
 - drafts are taken best first while they raise the step's expected tokens per second, by a
-  margin: (tokens + alpha^i / 1.05) / cost(rows + 1) > tokens / cost(rows); when not even the
+  margin: (tokens + alpha^i / 1.1) / cost(rows + 1) > tokens / cost(rows); when not even the
   likeliest draft would, nothing is proposed (proposing has its own small cost).
 A sequence whose drafts fail thus drafts less and less, down to none, and the engine never
 pays much for speculation that does not work; the same rule keeps drafts short in big batches.
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 DECAY = 0.98  # per verify step of a kind: recent acceptance counts more
 TOTAL_DECAY = 0.99  # per verify step of any sequence, for the engine's running rate
 EXPLORE = 32
-MARGIN = 1.05  # a draft's expected tokens must beat what its row costs by 5%
+MARGIN = 1.1  # a draft's expected tokens must beat what its row costs by 10%
 OBSERVED_STEPS = 256
 PRIOR = 2.0  # pseudo-counts pulling a sequence's alpha toward the engine's rate
 
