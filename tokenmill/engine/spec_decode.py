@@ -34,6 +34,8 @@ class SpecDecoder:
         self.kinds: dict[int, int] = {}  # seq_id -> the kind of its current drafts
 
     def propose(self, running: list[Sequence]) -> None:
+        for seq in running:  # drafts left by a step that did not schedule the sequence
+            seq.spec_token_ids, seq.spec_draft_probs = [], None
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
