@@ -25,7 +25,6 @@ its estimate can recover when its text turns repetitive.
 from __future__ import annotations
 
 import bisect
-import statistics
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ class StepCost:
         self.seconds = [min(seconds[i:]) for i in range(len(seconds))]
         self.scale, self.overhead = 1.0, 0.0
         self.recent: deque[tuple[float, float]] = deque(maxlen=OBSERVED_STEPS)
+        self.sums = (0, 0.0, 0.0, 0.0, 0.0)
 
     def __call__(self, r: int) -> float:
         return self.scale * self.forward(r) + self.overhead
@@ -67,13 +67,24 @@ class StepCost:
     def observe(self, rows: int, seconds: float) -> None:
         """A whole engine step of `rows` decode rows took `seconds`."""
         f = self.forward(rows)
-        self.recent.append((f, min(seconds, 3 * self(rows))))
-        xs, ys = zip(*self.recent)
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        var = sum((x - mx) ** 2 for x in xs)
-        if var > 1e-4 * mx * mx * len(xs):  # several row counts seen: fit the slope too
-            self.scale = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var, 0.5)
-        self.overhead = max(my - self.scale * mx, 0.0)
+        point = (f, min(seconds, 3 * self(rows)))
+        if len(self.recent) == self.recent.maxlen:
+            self._add(self.recent[0], -1)
+        self.recent.append(point)
+        self._add(point, 1)
+        n, sx, sy, sxx, sxy = self.sums
+        var = sxx - sx * sx / n
+        if var > 1e-4 * sx * sx / n:  # several row counts seen: fit the slope too
+            self.scale = max((sxy - sx * sy / n) / var, 0.5)
+        self.overhead = max((sy - self.scale * sx) / n, 0.0)
+
+    def _add(self, point: tuple[float, float], sign: int) -> None:
+        """Running sums (count, x, y, xx, xy) of the recent points, kept per step instead of
+        summing the window again (the fit runs after every decode step)."""
+        x, y = point
+        n, sx, sy, sxx, sxy = self.sums
+        self.sums = (n + sign, sx + sign * x, sy + sign * y, sxx + sign * x * x,
+                     sxy + sign * x * y)
 
     @classmethod
     def measure(cls, time_rows: Callable[[int], float], max_rows: int) -> StepCost:
