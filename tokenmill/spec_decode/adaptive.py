@@ -88,7 +88,7 @@ class StepCost:
 
     @classmethod
     def measure(cls, time_rows: Callable[[int], float], max_rows: int) -> StepCost:
-        ladder = sorted({r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+        ladder = sorted({r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
                          if r < max_rows} | {max_rows})
         return cls(ladder, [time_rows(r) for r in ladder])
 
