@@ -178,7 +178,7 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched.scheduled:
             return []
-        decode_only = all(n == 1 or s.spec_token_ids for s, n in sched.scheduled)
+        decode_only = all(s.runs_as_decode(n) for s, n in sched.scheduled)
         now = time.perf_counter()
         rows, targets = self._sample_plan(sched.scheduled, now)
         result = self.runner.execute(sched.scheduled, rows, targets)

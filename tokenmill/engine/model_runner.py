@@ -82,9 +82,9 @@ class ModelRunner:
     def prepare(self, scheduled: list[tuple[Sequence, int]]):
         """Packed input ids, positions and the AttentionContext; plus, per scheduled entry,
         the index of its first token in the packed batch."""
-        order = [i for i, (seq, n) in enumerate(scheduled) if _decodes(seq, n)]
+        order = [i for i, (seq, n) in enumerate(scheduled) if seq.runs_as_decode(n)]
         num_decodes = sum(scheduled[i][1] for i in order)
-        order += [i for i, (seq, n) in enumerate(scheduled) if not _decodes(seq, n)]
+        order += [i for i, (seq, n) in enumerate(scheduled) if not seq.runs_as_decode(n)]
         ids, positions, starts = [], [], [0] * len(scheduled)
         for i in order:
             seq, n = scheduled[i]
@@ -106,13 +106,15 @@ class ModelRunner:
             seq, n = scheduled[i]
             first, table = seq.num_computed_tokens, seq.block_tables[group]
             slots += [table[p // bs] * bs + p % bs for p in range(first, first + n)]
-            if not _decodes(seq, n):
+            if not seq.runs_as_decode(n):
                 prefills.append(PrefillChunk(starts[i], starts[i] + n, first, self._tensor(table)))
         ctx = AttentionContext(self.kv_caches[group], self._tensor(slots), num_decodes,
                                prefills=prefills)
         if num_decodes:  # one row per decode token; a verify step's rows see one more each
             tables, lens = [], []
-            for seq, n in (scheduled[i] for i in order if _decodes(*scheduled[i])):
+            for seq, n in (scheduled[i] for i in order):
+                if not seq.runs_as_decode(n):
+                    continue
                 tables += [seq.block_tables[group]] * n
                 lens += range(seq.num_computed_tokens + 1, seq.num_computed_tokens + n + 1)
             # NULL_BLOCK (-1, slid out of the window) indexes the last block: read but masked.
@@ -195,8 +197,3 @@ class ModelRunner:
             rows += positions_
             plan.append((seq, positions_, lo))
         return rows, plan
-
-
-def _decodes(seq: Sequence, n: int) -> bool:
-    """Whether a scheduled entry runs as decode rows: one token, or a verify step's drafts."""
-    return n == 1 or bool(seq.spec_token_ids)

@@ -95,6 +95,11 @@ class Sequence:
         """The prompt is done and the last sampled token is the only one without K/V."""
         return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
 
+    def runs_as_decode(self, n: int) -> bool:
+        """Whether a step computing n of its tokens runs them as decode rows: one token, or a
+        verify step's last token + drafts (anything else is a prefill chunk)."""
+        return n == 1 or bool(self.spec_token_ids)
+
     def step_token_ids(self, first: int, n: int) -> list[int]:
         """The n tokens a step feeds from position first: known tokens, then drafts."""
         ids = self.token_ids[first : first + n]
