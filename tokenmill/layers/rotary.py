@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE), "rotate half" layout as in Hugging Face Llama.
 
 cos/sin for every position up to max_positions are computed once in float32; a step gathers the
-rows of its token positions. Supports the default, linear and Llama-3 frequency scalings.
+rows of its token positions. Supports the default, linear and Llama-3 frequency scalings, and
+GGUF's per-frequency divisors (rope_freqs).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from torch import nn
 
 from tokenmill.layers import ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
@@ -26,6 +27,12 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Ten
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "freq_factors":  # GGUF's rope_freqs: one divisor per frequency (llama.cpp)
+        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
+        if factors.shape != inv_freq.shape:
+            raise ValueError(f"rope_freqs has {factors.numel()} factors, expected "
+                             f"{inv_freq.numel()} (head_dim / 2)")
+        return inv_freq / factors
     raise ValueError(
         f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )

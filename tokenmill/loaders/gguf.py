@@ -1,6 +1,7 @@
-"""GGUF model files (llama.cpp's format) for the `llama` and `qwen2` architectures.
+"""GGUF model files (llama.cpp's format), for the architectures models/registry.py lists.
 
-Hyperparameters come from the `{arch}.*` metadata; tensors are renamed to Hugging Face names.
+Hyperparameters come from the `{arch}.*` metadata; tensors are renamed to Hugging Face names
+(the family's own names and metadata keys: its GGUFFamily, loaders/gguf_family.py).
 With dtype="auto", where the CPU kernels run quantized weights fast (ops.quantized_kernels),
 the weight matrices stay quantized (quantization/gguf_blocks.py: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 Q4_K, Q5_K, Q6_K; float tensors, other types, and any fused projection with one of them, are
@@ -23,13 +24,13 @@ from gguf.quants import dequantize
 from torch import nn
 
 from tokenmill.loaders import build_model, resolve_dtype
+from tokenmill.loaders.gguf_family import LAYER_NAMES, GGUFFamily, GGUFMeta
 from tokenmill.loaders.gguf_file import GGUFFile, field_value, open_gguf
 from tokenmill.loaders.permute import unpermute_rope_rows
 from tokenmill.models.config import ModelConfig
+from tokenmill.models.registry import gguf_family
 from tokenmill.quantization import BlockQuant
 from tokenmill.quantization.gguf_blocks import NATIVE_TYPES, to_block_quant
-
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 _Q = GGMLQuantizationType
 SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1,
@@ -40,81 +41,63 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, family: GGUFFamily | None = None) -> str:
     """'blk.0.attn_q.weight' -> 'model.layers.0.self_attn.q_proj.weight'."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    layer_names = family.layer_names if family else LAYER_NAMES
     m = _LAYER_TENSOR.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in layer_names:
+        return f"model.layers.{m.group(1)}.{layer_names[m.group(2)]}.{m.group(3)}"
     raise ValueError(f"GGUF tensor {gguf_name!r} is not supported by tokenmill")
 
 
+def gguf_family_of(reader: GGUFFile) -> GGUFFamily:
+    return gguf_family(field_value(reader, "general.architecture"))
+
+
 def gguf_config(reader: GGUFFile) -> ModelConfig:
-    """ModelConfig from the `{arch}.*` metadata keys."""
+    """ModelConfig from the `{arch}.*` metadata keys every family shares, then the family's
+    own (its GGUFFamily.config)."""
     arch = field_value(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: "
-                         f"{', '.join(ARCHITECTURES)}")
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError("GGUF files with rope_freqs (Llama 3.1-style RoPE scaling) are not "
-                         "supported yet")
-
-    def meta(key, default=None):
-        value = field_value(reader, f"{arch}.{key}", default)
-        if isinstance(value, list) and len(set(value)) == 1:
-            value = value[0]  # a per-layer array with one value for all layers
-        if value is None or isinstance(value, list):
-            raise ValueError(f"GGUF metadata {arch}.{key} is missing or varies per layer")
-        return value
-
-    if meta("expert_count", 0):
+    family = gguf_family(arch)
+    meta = GGUFMeta(reader, arch)
+    if meta.raw("expert_count", 0):
         raise ValueError("mixture-of-experts GGUF files are not supported")
 
-    heads, hidden = meta("attention.head_count"), meta("embedding_length")
-    head_dim = meta("attention.key_length", hidden // heads)
-    if meta("rope.dimension_count", head_dim) != head_dim:
+    heads, hidden = meta.get("attention.head_count"), meta.get("embedding_length")
+    head_dim = meta.get("attention.key_length", hidden // heads)
+    if meta.get("rope.dimension_count", head_dim) != head_dim:
         raise ValueError("GGUF models with partial rotary embeddings are not supported")
     tokens = field_value(reader, "tokenizer.ggml.tokens")
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     # token_embd's shape is (hidden, vocab) in GGUF's fastest-dimension-first order
-    vocab = field_value(reader, f"{arch}.vocab_size") or (
+    vocab = meta.raw("vocab_size") or (
         int(embed.shape[-1]) if embed is not None else len(tokens or ()))
     eos = field_value(reader, "tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture=ARCHITECTURES[arch],
+    fields = dict(
+        architecture=family.architecture,
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=meta("feed_forward_length"),
-        num_hidden_layers=meta("block_count"),
+        intermediate_size=meta.get("feed_forward_length"),
+        num_hidden_layers=meta.get("block_count"),
         num_attention_heads=heads,
-        num_key_value_heads=meta("attention.head_count_kv", heads),
+        num_key_value_heads=meta.get("attention.head_count_kv", heads),
         head_dim=head_dim,
-        max_position_embeddings=meta("context_length", 2048),
-        rms_norm_eps=meta("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=meta("rope.freq_base", 10000.0),
-        rope_scaling=_rope_scaling(reader, arch),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias=arch == "qwen2",
+        max_position_embeddings=meta.get("context_length", 2048),
+        rms_norm_eps=meta.get("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=meta.get("rope.freq_base", 10000.0),
+        rope_scaling=_rope_scaling(meta),
+        tie_word_embeddings="output.weight" not in meta.tensor_names,
         torch_dtype=_weights_dtype(reader),
         bos_token_id=field_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[eos] if eos is not None else [],
     )
+    fields.update(family.config(meta, fields))
+    return ModelConfig(**fields)
 
 
 def _weights_dtype(reader: GGUFFile) -> str:
@@ -125,12 +108,12 @@ def _weights_dtype(reader: GGUFFile) -> str:
     return "float32" if f32 else "bfloat16"
 
 
-def _rope_scaling(reader: GGUFFile, arch: str) -> dict | None:
-    kind = field_value(reader, f"{arch}.rope.scaling.type", "none")
+def _rope_scaling(meta: GGUFMeta) -> dict | None:
+    kind = meta.raw("rope.scaling.type", "none")
     if kind == "none":
         return None
     if kind == "linear":
-        return {"rope_type": "linear", "factor": field_value(reader, f"{arch}.rope.scaling.factor")}
+        return {"rope_type": "linear", "factor": meta.get("rope.scaling.factor")}
     raise ValueError(f"GGUF rope scaling {kind!r} is not supported (only none, linear)")
 
 
@@ -155,9 +138,12 @@ def gguf_weights(reader: GGUFFile, cfg: ModelConfig,
     """(Hugging Face name, float32 tensor), or BlockQuant for weight matrices of a native type
     with keep_quantized. Each tensor is a copy; once the consumer has taken it, the file pages
     it was read from are let go, so the mapped file never becomes resident all at once."""
-    permute = cfg.architecture == "LlamaForCausalLM"
+    family = gguf_family_of(reader)
+    permute = family.permute_qk
     for t in reader.tensors:
-        name = hf_name(t.name)
+        if t.name in family.consumed:
+            continue
+        name = hf_name(t.name, family)
         if keep_quantized and len(t.shape) == 2 and t.tensor_type in NATIVE_TYPES:
             tensor = to_block_quant(t.data, t.tensor_type, int(t.shape[1]), int(t.shape[0]))
         else:

@@ -71,92 +71,20 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict) -> ModelConfig:
-        """From a Hugging Face config.json (transformers 4 or 5 field names)."""
-        from tokenmill.models.registry import architecture_of, model_class
+        """From a Hugging Face config.json (transformers 4 or 5 field names), by the family
+        module of its architecture (models/registry.py)."""
+        from tokenmill.models.registry import architecture_of, family
 
         arch = architecture_of(cfg)
-        model_class(arch)  # unsupported architecture: a clear error before reading fields
+        module = family(arch)  # unsupported architecture: a clear error before reading fields
         try:
-            if arch == "GPT2LMHeadModel":
-                return _gpt2_from_hf(cfg)
-            return cls._llama_from_hf(arch, cfg)
+            return module.config_from_hf(arch, cfg)
         except KeyError as e:
             raise ValueError(f"config.json of a {arch} lacks the field {e.args[0]!r}") from None
 
-    @classmethod
-    def _llama_from_hf(cls, arch: str, cfg: dict) -> ModelConfig:
-        heads = cfg["num_attention_heads"]
-        rope = cfg.get("rope_parameters") or {}
-        scaling = cfg.get("rope_scaling") or None
-        if rope.get("rope_type", "default") != "default":
-            scaling = rope
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
-            rope_scaling=scaling,
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            mlp_bias=cfg.get("mlp_bias", False),
-            qk_norm=arch == "Qwen3ForCausalLM",
-            hidden_act=cfg.get("hidden_act", "silu"),
-            layer_types=_layer_types(arch, cfg),
-            sliding_window=_sliding_window(arch, cfg),
-            torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=_as_list(cfg.get("eos_token_id")),
-        )
 
-
-def _as_list(value) -> list[int]:
+def as_list(value) -> list[int]:
+    """An eos_token_id field (an id, a list of ids or None) as a list."""
     if value is None:
         return []
     return [value] if isinstance(value, int) else list(value)
-
-
-def _sliding_window(arch: str, cfg: dict) -> int | None:
-    window = cfg.get("sliding_window")
-    if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
-        return None
-    return window
-
-
-def _layer_types(arch: str, cfg: dict) -> list[str] | None:
-    if cfg.get("layer_types"):
-        return list(cfg["layer_types"])
-    if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
-        first_sliding = cfg.get("max_window_layers", 0)
-        return [
-            "sliding_attention" if i >= first_sliding else "full_attention"
-            for i in range(cfg["num_hidden_layers"])
-        ]
-    return None
-
-
-def _gpt2_from_hf(cfg: dict) -> ModelConfig:
-    hidden, heads = cfg["n_embd"], cfg["n_head"]
-    return ModelConfig(
-        architecture="GPT2LMHeadModel",
-        vocab_size=cfg["vocab_size"],
-        hidden_size=hidden,
-        intermediate_size=cfg.get("n_inner") or 4 * hidden,
-        num_hidden_layers=cfg["n_layer"],
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=cfg.get("n_positions", 1024),
-        tie_word_embeddings=True,
-        hidden_act=cfg.get("activation_function", "gelu_new"),
-        layer_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
-        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
-        bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=_as_list(cfg.get("eos_token_id")),
-    )

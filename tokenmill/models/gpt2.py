@@ -14,7 +14,7 @@ from torch import nn
 
 from tokenmill.layers.attention import AttentionContext, PagedAttention
 from tokenmill.layers.linear import Linear, embedding
-from tokenmill.models.config import ModelConfig
+from tokenmill.models.config import ModelConfig, as_list
 from tokenmill.models.loading import load_packed
 
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
@@ -118,3 +118,27 @@ def _hf_gpt2_names(weights) -> Iterator[tuple[str, torch.Tensor]]:
         if name.endswith(_CONV1D):
             tensor = tensor.t()
         yield name, tensor
+
+
+MODELS = {"GPT2LMHeadModel": GPT2LMHeadModel}
+
+
+def config_from_hf(arch: str, cfg: dict) -> ModelConfig:
+    hidden, heads = cfg["n_embd"], cfg["n_head"]
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=cfg.get("n_inner") or 4 * hidden,
+        num_hidden_layers=cfg["n_layer"],
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=cfg.get("n_positions", 1024),
+        tie_word_embeddings=True,
+        hidden_act=cfg.get("activation_function", "gelu_new"),
+        layer_norm_eps=cfg.get("layer_norm_epsilon", 1e-5),
+        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=as_list(cfg.get("eos_token_id")),
+    )

@@ -19,7 +19,8 @@ from tokenmill.layers.fused_decode import DecoderLayerWeights, DecoderWeights
 from tokenmill.layers.linear import Linear, embedding
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
-from tokenmill.models.config import ModelConfig
+from tokenmill.loaders.gguf_family import LAYER_NAMES, QK_NORM_NAMES, GGUFFamily, GGUFMeta
+from tokenmill.models.config import ModelConfig, as_list
 from tokenmill.models.loading import load_packed
 
 # checkpoint module name -> (fused module name, shard index)
@@ -172,3 +173,83 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_packed(self, weights, PACKED)
+
+
+MODELS = {arch: LlamaForCausalLM for arch in (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")}
+
+
+def config_from_hf(arch: str, cfg: dict) -> ModelConfig:
+    heads = cfg["num_attention_heads"]
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or None
+    if rope.get("rope_type", "default") != "default":
+        scaling = rope
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", cfg.get("rope_theta", 10000.0)),
+        rope_scaling=scaling,
+        tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+        attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
+        mlp_bias=cfg.get("mlp_bias", False),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        hidden_act=cfg.get("hidden_act", "silu"),
+        layer_types=_layer_types(arch, cfg),
+        sliding_window=_sliding_window(arch, cfg),
+        torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=as_list(cfg.get("eos_token_id")),
+    )
+
+
+def _sliding_window(arch: str, cfg: dict) -> int | None:
+    window = cfg.get("sliding_window")
+    if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+        return None
+    return window
+
+
+def _layer_types(arch: str, cfg: dict) -> list[str] | None:
+    if cfg.get("layer_types"):
+        return list(cfg["layer_types"])
+    if arch.startswith("Qwen") and cfg.get("use_sliding_window"):
+        first_sliding = cfg.get("max_window_layers", 0)
+        return [
+            "sliding_attention" if i >= first_sliding else "full_attention"
+            for i in range(cfg["num_hidden_layers"])
+        ]
+    return None
+
+
+# ---- GGUF (llama.cpp's names and metadata keys) -------------------------------------------
+def _llama_gguf_config(meta: GGUFMeta, fields: dict) -> dict:
+    """Llama 3.x files carry Llama-3 RoPE scaling as rope_freqs: one divisor per frequency
+    (llama.cpp divides each RoPE frequency by it). A Mistral file may carry a sliding window."""
+    extra = {}
+    factors = meta.tensor("rope_freqs.weight")
+    if factors is not None:
+        if fields.get("rope_scaling"):
+            raise ValueError("GGUF file has both rope_freqs and a rope scaling type")
+        extra["rope_scaling"] = {"rope_type": "freq_factors", "factors": factors.tolist()}
+    window = meta.raw("attention.sliding_window")
+    if window:
+        extra["sliding_window"] = int(window)
+    return extra
+
+
+GGUF = {
+    "llama": GGUFFamily("LlamaForCausalLM", permute_qk=True, config=_llama_gguf_config,
+                        consumed=("rope_freqs.weight",)),
+    "qwen2": GGUFFamily("Qwen2ForCausalLM", config=lambda meta, fields: {"attention_bias": True}),
+    "qwen3": GGUFFamily("Qwen3ForCausalLM", {**LAYER_NAMES, **QK_NORM_NAMES},
+                        config=lambda meta, fields: {"qk_norm": True}),
+}

@@ -1,20 +1,28 @@
-"""Maps a Hugging Face `architectures` string to the model class that implements it."""
+"""Which family module implements a Hugging Face `architectures` string or a GGUF
+`general.architecture`. A family module (tokenmill/models/<family>.py) holds the family's
+facts: MODELS (HF class name -> model class), config_from_hf(arch, config.json dict) and, if
+it loads from GGUF, GGUF (GGUF architecture -> loaders.gguf_family.GGUFFamily)."""
 
 from __future__ import annotations
 
 import importlib
+from types import ModuleType
 
 from torch import nn
 
-_MODELS = {
-    "LlamaForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
-    "MistralForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
-    "Qwen3ForCausalLM": ("tokenmill.models.llama", "LlamaForCausalLM"),
-    "GPT2LMHeadModel": ("tokenmill.models.gpt2", "GPT2LMHeadModel"),
-}
+_LLAMA, _GPT2 = "tokenmill.models.llama", "tokenmill.models.gpt2"
 
-SUPPORTED_ARCHITECTURES = tuple(_MODELS)
+_FAMILY_OF_ARCHITECTURE = {
+    "LlamaForCausalLM": _LLAMA,
+    "MistralForCausalLM": _LLAMA,
+    "Qwen2ForCausalLM": _LLAMA,
+    "Qwen3ForCausalLM": _LLAMA,
+    "GPT2LMHeadModel": _GPT2,
+}
+_FAMILY_OF_GGUF_ARCHITECTURE = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA}
+
+SUPPORTED_ARCHITECTURES = tuple(_FAMILY_OF_ARCHITECTURE)
+SUPPORTED_GGUF_ARCHITECTURES = tuple(_FAMILY_OF_GGUF_ARCHITECTURE)
 
 # A config.json without `architectures` (as written from a GGUF by transformers) names only
 # its model_type; transformers' AutoModelForCausalLM maps these the same way.
@@ -35,11 +43,24 @@ def architecture_of(cfg: dict) -> str:
     return _CAUSAL_LM_OF_MODEL_TYPE.get(model_type, model_type)
 
 
-def model_class(architecture: str) -> type[nn.Module]:
-    if architecture not in _MODELS:
+def family(architecture: str) -> ModuleType:
+    """The family module of a Hugging Face architecture; a clear error for any other."""
+    if architecture not in _FAMILY_OF_ARCHITECTURE:
         raise ValueError(
             f"model architecture {architecture!r} is not supported; supported architectures: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    module, name = _MODELS[architecture]
-    return getattr(importlib.import_module(module), name)
+    return importlib.import_module(_FAMILY_OF_ARCHITECTURE[architecture])
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    return family(architecture).MODELS[architecture]
+
+
+def gguf_family(gguf_architecture: str):
+    """The GGUFFamily of a GGUF architecture name; a clear error for any other."""
+    if gguf_architecture not in _FAMILY_OF_GGUF_ARCHITECTURE:
+        raise ValueError(f"GGUF architecture {gguf_architecture!r} is not supported; "
+                         f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}")
+    module = importlib.import_module(_FAMILY_OF_GGUF_ARCHITECTURE[gguf_architecture])
+    return module.GGUF[gguf_architecture]
