@@ -83,18 +83,26 @@ class BlockManager:
         """Block ids of the longest cached prefix of seq. The last token is never served from
         the cache: its logits are needed to sample. Requests asking for prompt logprobs compute
         every prompt position, so they skip the cache."""
-        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
-            return []
-        bs = self.block_size
         hits: list[int] = []
-        parent = None
-        for i in range((seq.num_tokens - 1) // bs):
-            parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
-            block_id = self._cached.get(parent)
+        for block_id in self.cached_prefix_blocks(seq):
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
+
+    def cached_prefix_blocks(self, seq: Sequence) -> list[int | None]:
+        """For each full block of seq's tokens but the last token: its cached block id, or
+        None. A sliding-window pool needs only the blocks its next query can see
+        (kv_manager.py), so the list goes on past the first block that is not cached."""
+        if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
+            return []
+        bs = self.block_size
+        found: list[int | None] = []
+        parent = None
+        for i in range((seq.num_tokens - 1) // bs):
+            parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            found.append(self._cached.get(parent))
+        return found
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.num_queried_tokens += num_tokens
@@ -105,7 +113,7 @@ class BlockManager:
         """Free blocks that allocate(seq, num_new_tokens, hits) would consume."""
         total = self._base(seq, hits) + num_new_tokens
         fresh = self.blocks_for_tokens(total) - len(self.table(seq)) - len(hits)
-        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        revived = sum(1 for b in hits if b != NULL_BLOCK and self.blocks[b].ref_count == 0)
         return max(fresh, 0) + revived
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
@@ -113,21 +121,31 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> None:
         """Grow seq's block table to hold num_new_tokens more tokens. Cache hits (only for a
-        sequence with no blocks yet) become its first blocks and count as computed."""
+        sequence with no blocks yet) become its first blocks and count as computed; a
+        sliding-window pool's hits may start with NULL_BLOCKs (blocks outside the window)."""
         if not self.can_allocate(seq, num_new_tokens, hits):
             raise RuntimeError("allocate() called without enough free blocks")
         total = self._base(seq, hits) + num_new_tokens
         if hits:
             assert not self.table(seq)
             for block_id in hits:
-                self._take(block_id)
+                if block_id != NULL_BLOCK:
+                    self._take(block_id)
             self._set_table(seq, list(hits))
             if self.primary:
-                seq.block_hashes = [self.blocks[b].block_hash for b in hits]
+                seq.block_hashes = self._chain(seq, len(hits))
                 seq.num_computed_tokens = len(hits) * self.block_size
         table = self.table(seq)
         while len(table) < self.blocks_for_tokens(total):
             table.append(self._pop_free())
+
+    def _chain(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """The chained hashes of seq's first num_blocks blocks."""
+        bs, hashes, parent = self.block_size, [], None
+        for i in range(num_blocks):
+            parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
+            hashes.append(parent)
+        return hashes
 
     def _base(self, seq: Sequence, hits) -> int:
         """Tokens already held before an allocation: cache hits, or what is computed."""

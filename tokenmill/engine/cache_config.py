@@ -114,10 +114,14 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
 def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], max_len: int,
                   device: torch.device) -> list[int]:
     """Blocks per pool. A sliding-window pool (the second of two) needs at most
-    window / block_size + 2 blocks per running sequence; the full-history pool gets the rest."""
+    window / block_size + 2 blocks per running sequence, and gets as much again so that the
+    last window blocks of prompts read before stay in the prefix cache (a prefix hit needs
+    them: kv_manager.lookup_prefix; without the room, decoding sequences evict them at once);
+    the full-history pool gets the rest."""
     bs = config.block_size
     per_seq = [-(-max_len // bs) if window is None else -(-window // bs) + 2
                for _, window in specs]
+    per_seq[1:] = [2 * n for n in per_seq[1:]]
     wanted = sum(config.max_num_seqs * n * b for n, b in zip(per_seq, block_bytes))
     if config.kv_cache_memory is not None:
         budget = config.kv_cache_memory
@@ -132,7 +136,7 @@ def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], max_len: 
                         wanted / 2**30)
         budget = min(budget, wanted)
     blocks = []
-    if len(specs) == 2:  # the sliding pool: what max_num_seqs sequences need, <= half
+    if len(specs) == 2:  # the sliding pool: twice what max_num_seqs sequences need, <= half
         sliding = min(config.max_num_seqs * per_seq[1] * block_bytes[1], budget // 2)
         blocks.append(max(1, sliding // block_bytes[1]))
         budget -= blocks[-1] * block_bytes[1]

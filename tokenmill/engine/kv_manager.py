@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenmill.engine.block_manager import BlockManager
+from tokenmill.engine.block_manager import NULL_BLOCK, BlockManager
 from tokenmill.engine.sequence import Sequence
 
 
@@ -35,10 +35,24 @@ class KVCacheManager:
 
     # ---- the scheduler's interface ------------------------------------------------------------
     def lookup_prefix(self, seq: Sequence) -> list[list[int]]:
-        """Per pool, the cached blocks of seq's longest prefix cached in every pool."""
-        hits = [m.lookup_prefix(seq) for m in self.managers]
-        n = min(len(h) for h in hits)
-        return [h[:n] for h in hits]
+        """Per pool, the blocks of seq's longest prefix that every pool can serve. A full
+        pool must hold every block of it; a sliding-window pool only the blocks the next query
+        sees (the others, long released, stand as NULL_BLOCK), as vLLM's sliding-window
+        manager does: a shared system prompt longer than the window is still a hit."""
+        found = [m.cached_prefix_blocks(seq) for m in self.managers]
+        for n in range(min(len(f) for f in found), 0, -1):
+            hits = [self._hit(f, n, g.window) for f, g in zip(found, self.groups)]
+            if all(h is not None for h in hits):
+                return hits
+        return [[] for _ in self.managers]
+
+    def _hit(self, found: list[int | None], n: int, window: int | None) -> list[int] | None:
+        """The first n blocks as a hit for a pool with this window, or None if it lacks one
+        the query at position n * block_size can see."""
+        first = 0 if window is None else max(n * self.block_size - window + 1, 0) // self.block_size
+        if any(b is None for b in found[first:n]):
+            return None
+        return [NULL_BLOCK] * first + found[first:n]
 
     def hit_tokens(self, hits: list[list[int]] | None) -> int:
         return len(hits[0]) * self.block_size if hits else 0
