@@ -22,12 +22,22 @@ _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight",
 _K_SCALES = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
-def gguf_name(hf: str) -> str:
+# each family's names where they differ from the Llama ones
+FAMILY_NAMES = {
+    "qwen3": {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"},
+    "gemma3": {"self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+               "post_attention_layernorm": "post_attention_norm",
+               "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+}
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf in _GLOBAL:
         return _GLOBAL[hf]
     _, _, layer, rest = hf.split(".", 3)
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER[module]}.{kind}"
+    return f"blk.{layer}.{FAMILY_NAMES.get(arch, {}).get(module) or _LAYER[module]}.{kind}"
 
 
 def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
@@ -53,10 +63,14 @@ def encode(values: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray
 
 
 def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor],
-               types: dict[str, Q] | None = None, seed: int = 0) -> None:
+               types: dict[str, Q] | None = None, seed: int = 0, extra=None) -> None:
     """cfg: a transformers config. types: GGUF tensor-name suffix (e.g. 'attn_q.weight') -> type;
-    unlisted tensors are F32."""
+    unlisted tensors are F32. extra(writer): adds the family's own keys and tensors. Gemma 3's
+    norm weights are stored as 1 + w, as llama.cpp's converter does."""
     rng = np.random.default_rng(seed)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    rope = cfg.rope_parameters
+    rope = rope.get("full_attention", rope)
     w = GGUFWriter(str(path), arch)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -65,11 +79,17 @@ def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor],
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_dimension_count(head_dim)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_vocab_size(cfg.vocab_size)
+    if extra is not None:
+        extra(w)
     for hf, tensor in state.items():
-        name, values = gguf_name(hf), tensor.float().numpy()
+        name, values = gguf_name(hf, arch), tensor.float().numpy()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            values = values + 1
         if arch == "llama" and name.endswith("attn_q.weight"):
             values = llama_cpp_permute(values, cfg.num_attention_heads)
         elif arch == "llama" and name.endswith("attn_k.weight"):

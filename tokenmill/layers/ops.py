@@ -45,6 +45,12 @@ def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """GeGLU with the tanh approximation of GELU (Gemma's gelu_pytorch_tanh)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 class TorchOps:
     """The reference implementation of every op."""
 
@@ -65,6 +71,9 @@ class TorchOps:
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return silu_mul_ref(x)
+
+    def gelu_tanh_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_mul_ref(x)
 
     def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
         """What this implementation precomputes for a weight (packed panels); None here."""

@@ -1,8 +1,17 @@
 """Rotary position embeddings (RoPE), "rotate half" layout as in Hugging Face Llama.
 
 cos/sin for every position up to max_positions are computed once in float32; a step gathers the
-rows of its token positions. Supports the default, linear and Llama-3 frequency scalings, and
-GGUF's per-frequency divisors (rope_freqs).
+rows of its token positions. Supports the default, linear and Llama-3 frequency scalings,
+GGUF's per-frequency divisors (rope_freqs), Phi-3's LongRoPE, and partial rotary embeddings
+(RoPE on each head's first rotary_dim dims only, the rest passed through: Phi-4-mini).
+
+LongRoPE divides each frequency by a factor from one of two sets and scales cos/sin by an
+attention factor. The set is chosen once, for the table: the long factors when the table
+(the engine's max_model_len) reaches past original_max_position_embeddings, else the short
+ones, as llama.cpp does for its context size. transformers instead switches per forward
+call by the sequence's length (recomputing the whole cache when it crosses over), so the two
+agree on every sequence when max_model_len is within the original length, and beyond it on
+sequences longer than the original length.
 """
 
 from __future__ import annotations
@@ -14,13 +23,20 @@ from torch import nn
 
 from tokenmill.layers import ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope")
 
 
-def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
-    inv_freq = 1.0 / (base**exponents)  # (head_dim/2,)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+def _rope_type(scaling: dict | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def rope_inv_freq(dim: int, base: float, scaling: dict | None,
+                  max_positions: int | None = None) -> torch.Tensor:
+    """Inverse frequencies of the dim rotated dims of a head (dim/2,); max_positions (the
+    table's length) picks LongRoPE's factor set."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv_freq = 1.0 / (base**exponents)  # (dim/2,)
+    rope_type = _rope_type(scaling)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -28,14 +44,33 @@ def rope_inv_freq(head_dim: int, base: float, scaling: dict | None) -> torch.Ten
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
     if rope_type == "freq_factors":  # GGUF's rope_freqs: one divisor per frequency (llama.cpp)
-        factors = torch.tensor(scaling["factors"], dtype=torch.float32)
-        if factors.shape != inv_freq.shape:
-            raise ValueError(f"rope_freqs has {factors.numel()} factors, expected "
-                             f"{inv_freq.numel()} (head_dim / 2)")
-        return inv_freq / factors
+        return _divided(inv_freq, scaling["factors"], "rope_freqs")
+    if rope_type == "longrope":
+        long = (max_positions or 0) > scaling["original_max_position_embeddings"]
+        key = "long_factor" if long else "short_factor"
+        return _divided(inv_freq, scaling[key], f"LongRoPE {key}")
     raise ValueError(
         f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """What cos/sin are multiplied by: LongRoPE's attention factor (given, or the paper's
+    sqrt(1 + ln(factor) / ln(original length)) for factor = max / original length), else 1."""
+    if _rope_type(scaling) != "longrope":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def _divided(inv_freq: torch.Tensor, factors, what: str) -> torch.Tensor:
+    factors = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    if factors.shape != inv_freq.shape:
+        raise ValueError(f"{what} has {factors.numel()} factors, expected {inv_freq.numel()} "
+                         f"(rotary dims / 2)")
+    return inv_freq / factors
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -52,9 +87,14 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None):
+    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict | None,
+                 rotary_dim: int | None = None):
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim  # the table's width
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
+            raise ValueError(f"rotary dims {self.rotary_dim} must be even and at most the "
+                             f"head dim {head_dim}")
         self.max_positions = max_positions
         self.base = base
         self.scaling = scaling
@@ -64,11 +104,13 @@ class RotaryEmbedding(nn.Module):
     def _table(self) -> torch.Tensor:
         # on the CPU even while the model is built on the meta device (where these ops run
         # PyTorch's Python decompositions, whose first use imported ~1 s of sympy)
-        inv_freq = rope_inv_freq(self.head_dim, self.base, self.scaling)
+        inv_freq = rope_inv_freq(self.rotary_dim, self.base, self.scaling, self.max_positions)
         positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
-        freqs = positions[:, None] * inv_freq[None, :]  # (positions, head_dim/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (positions, head_dim)
-        return torch.stack((emb.cos(), emb.sin()))  # (2, positions, head_dim)
+        freqs = positions[:, None] * inv_freq[None, :]  # (positions, rotary_dim/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (positions, rotary_dim)
+        table = torch.stack((emb.cos(), emb.sin()))  # (2, positions, rotary_dim)
+        factor = rope_attention_factor(self.scaling)
+        return table if factor == 1.0 else table * factor
 
     def reset_buffers(self) -> None:
         """Recompute the table after the module was materialized from the meta device."""
@@ -78,4 +120,8 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: (tokens, heads, head_dim), k: (tokens, kv_heads, head_dim), positions: (tokens,)
-        return self.ops.rope(q, k, self.cos_sin, positions)
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return self.ops.rope(q, k, self.cos_sin, positions)
+        q_rot, k_rot = self.ops.rope(q[..., :r], k[..., :r], self.cos_sin, positions)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)

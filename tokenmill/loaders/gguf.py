@@ -70,8 +70,6 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
 
     heads, hidden = meta.get("attention.head_count"), meta.get("embedding_length")
     head_dim = meta.get("attention.key_length", hidden // heads)
-    if meta.get("rope.dimension_count", head_dim) != head_dim:
-        raise ValueError("GGUF models with partial rotary embeddings are not supported")
     tokens = field_value(reader, "tokenizer.ggml.tokens")
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     # token_embd's shape is (hidden, vocab) in GGUF's fastest-dimension-first order
@@ -97,6 +95,9 @@ def gguf_config(reader: GGUFFile) -> ModelConfig:
         eos_token_ids=[eos] if eos is not None else [],
     )
     fields.update(family.config(meta, fields))
+    # partial rotary embeddings only where the family's config says so (rotary_dim)
+    if meta.get("rope.dimension_count", head_dim) != (fields.get("rotary_dim") or head_dim):
+        raise ValueError(f"GGUF {arch} models with partial rotary embeddings are not supported")
     return ModelConfig(**fields)
 
 
@@ -148,6 +149,8 @@ def gguf_weights(reader: GGUFFile, cfg: ModelConfig,
             tensor = to_block_quant(t.data, t.tensor_type, int(t.shape[1]), int(t.shape[0]))
         else:
             tensor = dequantize_tensor(t.data, t.tensor_type, t.name)
+        if family.to_hf is not None and not isinstance(tensor, BlockQuant):
+            tensor = family.to_hf(name, tensor)
         if permute and ".q_proj." in name:
             tensor = _unpermute(tensor, cfg.num_attention_heads)
         elif permute and ".k_proj." in name:

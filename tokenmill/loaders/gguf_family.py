@@ -73,3 +73,6 @@ class GGUFFamily:
     config: Callable[[GGUFMeta, dict], dict] = lambda meta, fields: {}
     # tensors read into the config (by `config`), not weights
     consumed: tuple[str, ...] = ()
+    # (Hugging Face name, float tensor) -> the tensor as the Hugging Face checkpoint has it,
+    # where llama.cpp's converter changed more than names, layout and permutation
+    to_hf: Callable[[str, torch.Tensor], torch.Tensor] | None = None

@@ -12,6 +12,11 @@ from tokenmill.tokenizer import Tokenizer
 
 # End-of-turn style ids that stop generation besides eos (e.g. Llama 3's <|eot_id|>).
 _EXTRA_EOS_KEYS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+# Control tokens that end a turn though no key names them (Gemma's <end_of_turn>): llama.cpp
+# recognizes the same texts (llama-vocab.cpp, its end-of-generation set).
+_END_OF_TURN_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+                      "<|eom_id|>", "<EOT>", "<|end_of_text|>")
+_CONTROL = 3  # llama.cpp's token type of control tokens
 
 
 def read_gguf_vocab(reader: GGUFFile) -> Vocab | None:
@@ -35,9 +40,17 @@ def read_gguf_vocab(reader: GGUFFile) -> Vocab | None:
         add_bos=bool(field_value(reader, "tokenizer.ggml.add_bos_token", kind == "llama")),
         add_space_prefix=bool(field_value(reader, "tokenizer.ggml.add_space_prefix", True)),
         chat_template=field_value(reader, "tokenizer.chat_template"),
-        extra_eos_ids=[i for i in (field_value(reader, k) for k in _EXTRA_EOS_KEYS)
-                       if i is not None],
+        extra_eos_ids=_end_of_turn_ids(reader, tokens),
     )
+
+
+def _end_of_turn_ids(reader: GGUFFile, tokens: list[str]) -> list[int]:
+    ids = [i for i in (field_value(reader, k) for k in _EXTRA_EOS_KEYS) if i is not None]
+    types = field_value(reader, "tokenizer.ggml.token_type") or []
+    for i, (text, kind) in enumerate(zip(tokens, types)):
+        if kind == _CONTROL and text in _END_OF_TURN_TEXTS and i not in ids:
+            ids.append(i)
+    return ids
 
 
 def _split_merge(merge: str) -> tuple[str, str]:

@@ -39,7 +39,10 @@ def load_tokenizer(path: str, model_config: ModelConfig) -> Tokenizer | None:
     if _is_gguf(path):
         from tokenmill.loaders.gguf_tokenizer import load_gguf_tokenizer
 
-        return load_gguf_tokenizer(path)
+        tok = load_gguf_tokenizer(path)
+        if tok is not None and not tok.chat_template:  # the family's own, as llama.cpp does
+            tok.chat_template = model_config.chat_template
+        return tok
     from tokenmill.loaders.llama2c import is_llama2c_checkpoint
     from tokenmill.loaders.llama2c_tokenizer import load_llama2c_tokenizer
 

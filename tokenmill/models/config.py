@@ -19,6 +19,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
+    rotary_dim: int | None = None  # RoPE on each head's first rotary_dim dims; None = all
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     mlp_bias: bool = False
@@ -27,6 +28,10 @@ class ModelConfig:
     layer_types: list[str] | None = None  # "sliding_attention" / "full_attention" per layer
     sliding_window: int | None = None
     layer_norm_eps: float = 1e-5  # GPT-2
+    attention_scale: float | None = None  # softmax scale; None = head_dim ** -0.5
+    rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (Gemma 3)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    chat_template: str | None = None  # the family's template, for files that ship none
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)

@@ -44,7 +44,8 @@ class LlamaAttention(nn.Module):
         group, index = cfg.kv_cache_slot(layer_idx)
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_dim, index,
-            sliding_window=cfg.sliding_window_for(layer_idx), cache_group=group,
+            sliding_window=cfg.sliding_window_for(layer_idx), scale=cfg.attention_scale,
+            cache_group=group,
         )
 
     def forward(
@@ -63,18 +64,24 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
+# gated MLP activations: config name -> op (act(gate) * up)
+GATED_ACTIVATIONS = {"silu": "silu_mul", "swish": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul",
+                     "gelu_tanh": "gelu_tanh_mul"}
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        if cfg.hidden_act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        if cfg.hidden_act not in GATED_ACTIVATIONS:
+            raise ValueError(f"hidden_act {cfg.hidden_act!r} is not supported; supported: "
+                             f"{', '.join(GATED_ACTIVATIONS)}")
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias)
         self.down_proj = Linear(inter, [cfg.hidden_size], cfg.mlp_bias)
-        self.ops = ops.current()
+        self.act = getattr(ops.current(), GATED_ACTIVATIONS[cfg.hidden_act])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -105,7 +112,7 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
-            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling
+            cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling, cfg.rotary_dim
         )
         self.cfg = cfg
         self.ops = ops.current()
@@ -125,13 +132,17 @@ class LlamaModel(nn.Module):
         has a fused decoder and it takes this batch and cache: FusedDecoder.accepts)."""
         if ctx.prefills or ctx.num_decode_tokens != x.shape[0] or ctx.window_ctx is not None:
             return None
-        if self._fused is None:
-            self._fused = self.ops.fused_decoder(self.fused_decode_weights()) or False
+        if self._fused is None:  # the C++ decode stack runs SiLU MLPs only
+            silu = GATED_ACTIVATIONS[self.cfg.hidden_act] == "silu_mul"
+            self._fused = silu and self.ops.fused_decoder(self.fused_decode_weights()) or False
         return self._fused if self._fused and self._fused.accepts(x, ctx.kv_cache) else None
 
-    def fused_decode_weights(self) -> DecoderWeights:
-        """This model's weights, named, for the fused decode step (layers/fused_decode.py)."""
+    def fused_decode_weights(self) -> DecoderWeights | None:
+        """This model's weights, named, for the fused decode step (layers/fused_decode.py);
+        None with partial rotary embeddings (the C++ step rotates whole heads)."""
         cfg = self.cfg
+        if self.rotary_emb.rotary_dim != cfg.head_dim:
+            return None
         layers = [DecoderLayerWeights(
             input_norm=layer.input_layernorm.weight, qkv=layer.self_attn.qkv_proj,
             q_norm=_weight_of(layer.self_attn, "q_norm"),

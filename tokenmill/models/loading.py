@@ -1,5 +1,6 @@
 """Copy checkpoint tensors into a model by name, filling fused (packed) projections slice by
-slice; every parameter must end up fully set, and shapes must match exactly."""
+slice, or whole where the checkpoint already fused them (Phi-3's qkv_proj, gate_up_proj);
+every parameter must end up fully set, and shapes must match exactly."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def load_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         owner = _owner(model, target)
         if target.endswith(".weight") and getattr(owner, "takes_quantized", lambda t: 0)(tensor):
             owner.load_shard(shard, tensor)  # quantized, or assembled in the layer first
-            pending[target].discard(shard)
+            _loaded(pending[target], shard)
             continue
         dest = params[target]
         if shard is not None:
@@ -35,10 +36,18 @@ def load_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                              f"expected {tuple(dest.shape)}")
         with torch.no_grad():
             dest.copy_(tensor)
-        pending[target].discard(shard)
+        _loaded(pending[target], shard)
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+
+
+def _loaded(pending: set, shard: int | None) -> None:
+    """Mark a shard loaded; shard None (a whole tensor) fills every shard of the parameter."""
+    if shard is None:
+        pending.clear()
+    else:
+        pending.discard(shard)
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:

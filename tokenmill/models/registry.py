@@ -11,6 +11,7 @@ from types import ModuleType
 from torch import nn
 
 _LLAMA, _GPT2 = "tokenmill.models.llama", "tokenmill.models.gpt2"
+_GEMMA3 = "tokenmill.models.gemma3"
 
 _FAMILY_OF_ARCHITECTURE = {
     "LlamaForCausalLM": _LLAMA,
@@ -18,8 +19,12 @@ _FAMILY_OF_ARCHITECTURE = {
     "Qwen2ForCausalLM": _LLAMA,
     "Qwen3ForCausalLM": _LLAMA,
     "GPT2LMHeadModel": _GPT2,
+    "Phi3ForCausalLM": "tokenmill.models.phi3",
+    "Gemma3ForCausalLM": _GEMMA3,
 }
-_FAMILY_OF_GGUF_ARCHITECTURE = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA}
+_FAMILY_OF_GGUF_ARCHITECTURE = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
+                               "phi3": "tokenmill.models.phi3",
+                               "gemma3": _GEMMA3}
 
 SUPPORTED_ARCHITECTURES = tuple(_FAMILY_OF_ARCHITECTURE)
 SUPPORTED_GGUF_ARCHITECTURES = tuple(_FAMILY_OF_GGUF_ARCHITECTURE)
@@ -32,6 +37,8 @@ _CAUSAL_LM_OF_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gpt2": "GPT2LMHeadModel",
+    "phi3": "Phi3ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 
 
