@@ -1,9 +1,10 @@
-"""Single-stream decode and prefill, tokenmill vs llama.cpp (llama-bench), same BF16 weights,
-same thread count, in alternating rounds (the machine's bandwidth drifts: only same-run ratios
-count). Also measures this machine's limits (hw_limits.py) and reports each engine's achieved
+"""Single-stream decode and prefill, tokenmill vs llama.cpp (llama-bench), same BF16 weights
+(or with --file, the model file itself: its quantized weights in both engines), same thread
+count, in alternating rounds (the machine's bandwidth drifts: only same-run ratios count).
+Also measures this machine's limits (hw_limits.py) and reports each engine's achieved
 GB/s and its share of the bandwidth limit. Prints a table and ends with one JSON line.
 
-    python benchmarks/compare_llamacpp.py [--rounds 3] [--threads 2]
+    python benchmarks/compare_llamacpp.py [--model NAME] [--file] [--rounds 3] [--threads 2]
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--file", action="store_true",
+                    help="run the model file as it is (tokenmill dtype auto) instead of BF16")
     args = ap.parse_args()
     import torch
 
@@ -77,8 +80,14 @@ def main() -> None:
     from tokenmill.bench.offline import weight_bytes_per_token
 
     torch.set_num_threads(args.threads)
-    gguf = bf16_gguf(args.model)
-    llm = LLM(str(gguf), dtype="bfloat16", max_num_seqs=1, enable_prefix_caching=False,
+    if args.file:
+        from tokenmill.loaders.resolve import resolve_model
+
+        gguf, weights_kind = Path(resolve_model(args.model)), "file"
+    else:
+        gguf, weights_kind = bf16_gguf(args.model), "BF16"
+    llm = LLM(str(gguf), dtype="auto" if args.file else "bfloat16", max_num_seqs=1,
+              enable_prefix_caching=False,
               max_model_len=args.prompt + args.gen + 256, num_threads=args.threads)
     rng = random.Random(0)
     tokenmill_bench(llm, 64, 8, rng)  # warm-up
@@ -103,9 +112,9 @@ def main() -> None:
         table[name] = row
     ratios = {k: table["tokenmill"][k] / table["llama.cpp"][k]
               for k in ("decode_tok_s", "prefill_tok_s")}
-    print(f"{args.model} BF16, {args.threads} threads, median of {args.rounds} alternating "
-          f"rounds; read bandwidth {lim['read_gb_s']:.1f} GB/s, fp32 matmul "
-          f"{lim['fp32_gflop_s']:.0f} GFLOP/s")
+    print(f"{args.model} {weights_kind} weights, {args.threads} threads, median of "
+          f"{args.rounds} alternating rounds; read bandwidth {lim['read_gb_s']:.1f} GB/s, "
+          f"fp32 matmul {lim['fp32_gflop_s']:.0f} GFLOP/s")
     print(f"limits: decode {decode_limit:.1f} tok/s ({weights / 2**20:.0f} MiB/token), "
           f"prefill {prefill_limit:.0f} tok/s")
     print(f"{'engine':<11}{'tg' + str(args.gen) + ' tok/s':>13}{'GB/s':>7}{'% BW limit':>11}"
@@ -116,7 +125,8 @@ def main() -> None:
               f"{r['prefill_pct_of_limit']:>12.0f}%")
     print(f"tokenmill / llama.cpp: decode {ratios['decode_tok_s']:.2f}x, "
           f"prefill {ratios['prefill_tok_s']:.2f}x")
-    print(json.dumps({"benchmark": "compare_llamacpp", "model": args.model, "limits": lim,
+    print(json.dumps({"benchmark": "compare_llamacpp", "model": args.model,
+                      "weights": weights_kind, "limits": lim,
                       "decode_limit_tok_s": decode_limit, "prefill_limit_tok_s": prefill_limit,
                       "results": table, "ratios": ratios, "rounds": runs}, sort_keys=True))
 

@@ -72,6 +72,10 @@ int main(int argc, char** argv) {
     Bytes x = in(0), out(x.size() / 2);
     tm_silu_mul(I(0), x.data(), out.data(), I(1), I(2));
     save(dir + "out.bin", out.data(), out.size());
+  } else if (kernel == "gelu_tanh_mul") {  // dtype rows inter: x
+    Bytes x = in(0), out(x.size() / 2);
+    tm_gelu_tanh_mul(I(0), x.data(), out.data(), I(1), I(2));
+    save(dir + "out.bin", out.data(), out.size());
   } else if (kernel == "argmax") {  // rows n: x(f32)
     Bytes x = in(0);
     std::vector<int64_t> out(I(0));

@@ -107,3 +107,57 @@ def test_mistral_sliding_window_in_metadata(tmp_path):
 
 def test_supported_gguf_architectures_are_named():
     assert {"llama", "qwen2", "qwen3", "gemma3"} <= set(SUPPORTED_GGUF_ARCHITECTURES)
+
+
+# A Llama 3.x-style template (the header/eot format of Meta's, with its system preamble,
+# date from strftime_now, tools as JSON in the first user turn, tool results as ipython).
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- if not date_string is defined %}{%- set date_string = strftime_now("%d %b %Y") %}{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content'] | trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}{%- set system_message = "" %}{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{{- "Cutting Knowledge Date: December 2023\\nToday Date: " + date_string + "\\n\\n" }}
+{{- system_message }}{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {%- if loop.first and tools is not none and message['role'] == 'user' %}
+        {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' }}
+        {%- for t in tools %}{{- t | tojson(indent=4) }}{{- "\\n\\n" }}{%- endfor %}
+        {{- message['content'] | trim + '<|eot_id|>' }}
+    {%- elif message['role'] == 'tool' %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" + message['content']
+            + "<|eot_id|>" }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'
+            + message['content'] | trim + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+
+@pytest.mark.parametrize("tools", [None, [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]])
+def test_llama3_chat_template_renders_like_transformers(tools):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from tokenmill.tokenizer import render_chat_template
+
+    messages = [{"role": "system", "content": "Be brief. "},
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": "Sunny."},
+                {"role": "tool", "content": '{"temp": 21}'},
+                {"role": "user", "content": "And in Rome?"}]
+    kwargs = dict(bos_token="<|begin_of_text|>", date_string="01 Dec 2026")
+    ours = render_chat_template(LLAMA3_TEMPLATE, messages, tools=tools,
+                                add_generation_prompt=True, **kwargs)
+    theirs = render_jinja_template([messages], tools=tools, chat_template=LLAMA3_TEMPLATE,
+                                   add_generation_prompt=True, **kwargs)[0][0]
+    assert ours == theirs
+    assert ours.startswith("<|begin_of_text|><|start_header_id|>system<|end_header_id|>")
+    assert ours.endswith("<|start_header_id|>assistant<|end_header_id|>\n\n")
+    assert ("get_weather" in ours) == (tools is not None)

@@ -97,7 +97,7 @@ def test_rms_norm_and_residual(kops, dtype, hidden):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [32, 40, 72])  # whole vectors and scalar tails
-def test_rope_and_silu_mul(kops, dtype, head_dim):
+def test_rope_and_gated_activations(kops, dtype, head_dim):
     from tokenmill.layers.rotary import RotaryEmbedding
 
     torch.manual_seed(2)
@@ -110,6 +110,8 @@ def test_rope_and_silu_mul(kops, dtype, head_dim):
     assert torch.equal(fk, ops.rope_ref(k, table, pos))
     x = torch.randn(3, 2 * (head_dim + 8)).to(dtype)
     close(kops.silu_mul(x), ops.silu_mul_ref(x), dtype)
+    x = torch.cat([x, 12 * x, torch.full_like(x[:1], -30.0)])  # tanh saturating both ways
+    close(kops.gelu_tanh_mul(x), ops.gelu_tanh_mul_ref(x), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -238,16 +240,23 @@ def test_model_bfloat16_kernels_close_to_reference(tiny_llama):
 
 def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch):
     """The fused C++ decode step against the same kernels called layer by layer from Python, on
-    a Qwen3 (q/k norm), a sliding-window Mistral and a QKV-bias Qwen2."""
+    a Qwen3 (q/k norm), a sliding-window Mistral, a QKV-bias Qwen2, a Qwen3 with a global and
+    a sliding layer (two KV pools) and a Gemma 3 (four norms, GeGLU, two RoPE tables, two
+    pools)."""
     from tests.conftest import save_tiny_model
+    from tests.test_gemma3 import tiny_gemma3
     from tokenmill.layers.fused_decode import FusedDecoder
-    from tokenmill.models import llama
+    from tokenmill.models import gemma3, llama
 
     prompts = random_prompts(4, 3, 40, seed=10)
     for arch, extra in (("qwen3", {"head_dim": 32}), ("mistral", {"sliding_window": 8}),
-                        ("qwen2", {})):
-        path = tmp_path / arch
-        save_tiny_model(path, arch, **extra)
+                        ("qwen2", {}), ("qwen3", {"use_sliding_window": True, "sliding_window": 8,
+                                                  "max_window_layers": 1}), ("gemma3", {})):
+        path = tmp_path / f"{arch}-{len(extra)}"
+        if arch == "gemma3":
+            tiny_gemma3(query_pre_attn_scalar=24).save_pretrained(path)
+        else:
+            save_tiny_model(path, arch, **extra)
         calls = []
         real = FusedDecoder.__call__
         with monkeypatch.context() as m:
@@ -257,6 +266,7 @@ def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch):
         assert len(calls) >= 15  # every all-decode step went through the fused step
         with monkeypatch.context() as m:
             m.setattr(llama.LlamaModel, "_fused_decoder", lambda *a: None)
+            m.setattr(gemma3.Gemma3Model, "_fused_decoder", lambda *a: None)
             layered, _ = greedy(path, "float32", True, prompts)
         assert fused == layered, arch
 

@@ -89,6 +89,8 @@ def test_norm_rope_silu(harness, tmp_path, dtype):
     g = torch.randn(3, 2 * 52).to(dtype)
     close(call(harness, tmp_path, "silu_mul", [DT[dtype], 3, 52], [g], dtype, (3, 52)),
           ops.silu_mul_ref(g))
+    close(call(harness, tmp_path, "gelu_tanh_mul", [DT[dtype], 3, 52], [g], dtype, (3, 52)),
+          ops.gelu_tanh_mul_ref(g))
 
 
 def test_argmax(harness, tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 5
+ABI_VERSION = 6
 _P, _I = c_void_p, c_int64
 
 
@@ -32,15 +32,26 @@ KV_FORMATS = {"int8": 1, "int4": 2}  # TM_KV_INT8, TM_KV_INT4
 
 class Layer(ctypes.Structure):
     _fields_ = [("input_norm", c_void_p), ("post_norm", c_void_p), ("q_norm", c_void_p),
-                ("k_norm", c_void_p), ("qkv", Linear), ("o", Linear), ("gate_up", Linear),
-                ("down", Linear), ("window", c_int64)]
+                ("k_norm", c_void_p), ("pre_ffn_norm", c_void_p), ("post_ffn_norm", c_void_p),
+                ("qkv", Linear), ("o", Linear), ("gate_up", Linear), ("down", Linear),
+                ("window", c_int64), ("cos_sin", c_void_p), ("pool", c_int64),
+                ("pool_layer", c_int64)]
+
+
+class KVPool(ctypes.Structure):
+    _fields_ = [("k", c_void_p), ("v", c_void_p), ("num_blocks", c_int64), ("slots", c_void_p),
+                ("tables", c_void_p), ("max_blocks", c_int64), ("lens", c_void_p)]
+
+
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # TM_ACT_SILU, TM_ACT_GELU_TANH
 
 
 class Decoder(ctypes.Structure):
     _fields_ = [("dtype", ctypes.c_int32), ("num_layers", c_int64), ("hidden", c_int64),
                 ("heads", c_int64), ("kv_heads", c_int64), ("head_dim", c_int64),
                 ("intermediate", c_int64), ("eps", c_float), ("scale", c_float),
-                ("layers", POINTER(Layer)), ("final_norm", c_void_p), ("cos_sin", c_void_p),
+                ("act", ctypes.c_int32), ("layers", POINTER(Layer)), ("final_norm", c_void_p),
+                ("cos_sin", c_void_p),
                 ("max_positions", c_int64), ("kv_format", ctypes.c_int32),
                 ("k_scale", c_void_p), ("k_zero", c_void_p), ("v_scale", c_void_p),
                 ("v_zero", c_void_p), ("kv_rotation", c_void_p)]
@@ -62,6 +73,7 @@ _SIGNATURES = {
     "tm_rms_norm": (None, [c_int, _P, _P, _P, _P, _I, _I, c_float]),
     "tm_rope": (None, [c_int, _P, _I, _I, _I, _P, _I, _P]),
     "tm_silu_mul": (None, [c_int, _P, _P, _I, _I]),
+    "tm_gelu_tanh_mul": (None, [c_int, _P, _P, _I, _I]),
     "tm_argmax_rows": (None, [_P, _I, _I, _P]),
     "tm_decode_attention": (None, [c_int, _P, _P, _P, _I, _I, _P, _I, _P, _I, _I, _I, _I,
                                    c_float, _P]),
@@ -70,7 +82,7 @@ _SIGNATURES = {
     "tm_decode_attention_quant": (None, [_P, POINTER(KVPages), POINTER(KVPages), _I, _I, _P, _I,
                                          _P, _I, _I, _I, _I, c_float, _P]),
     "tm_kv_store": (None, [c_int, _P, _I, _I, _I, _P, _P, POINTER(KVPages)]),
-    "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, _P, _P, _I, _I, _P, _P, _I, _P]),
+    "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, POINTER(KVPool), _I]),
 }
 
 
@@ -199,12 +211,18 @@ class KernelLib:
                           cos_sin.shape[1], pos.data_ptr())
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gated(self._lib.tm_silu_mul, x)
+
+    def gelu_tanh_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gated(self._lib.tm_gelu_tanh_mul, x)
+
+    def _gated(self, fn, x: torch.Tensor) -> torch.Tensor:
+        """x (..., 2 * inter) = [gate | up] -> act(gate) * up (..., inter)."""
         x = x.contiguous()
         inter = x.shape[-1] // 2
         out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
         self._sync_threads()
-        self._lib.tm_silu_mul(DTYPES[x.dtype], x.data_ptr(), out.data_ptr(),
-                              x.numel() // (2 * inter), inter)
+        fn(DTYPES[x.dtype], x.data_ptr(), out.data_ptr(), x.numel() // (2 * inter), inter)
         return out
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -296,17 +314,20 @@ class KernelLib:
                                        out.data_ptr())
         return out
 
-    def decode_stack(self, decoder: Decoder, x: torch.Tensor, positions, k_cache, v_cache,
-                     slots, block_tables, seq_lens) -> torch.Tensor:
+    def decode_stack(self, decoder: Decoder, x: torch.Tensor, positions, pools) -> torch.Tensor:
         """All layers of a decode step (see tm.h); x (batch, hidden) holds the embeddings and
-        is returned holding the final norm's output."""
+        is returned holding the final norm's output. pools: per KV pool, (k_cache, v_cache,
+        slots, block_tables, seq_lens) with caches (layers, blocks, block_size, ...)."""
         x = x.contiguous().clone()
-        pos, slots = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
-        tables = block_tables.to(torch.int64).contiguous()
-        lens = seq_lens.to(torch.int64).contiguous()
+        pos = positions.to(torch.int64).contiguous()
+        keep, structs = [], (KVPool * len(pools))()
+        for i, (k_cache, v_cache, slots, tables, lens) in enumerate(pools):
+            slots, tables, lens = (t.to(torch.int64).contiguous() for t in (slots, tables, lens))
+            keep += [slots, tables, lens]
+            structs[i] = KVPool(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+                                slots.data_ptr(), tables.data_ptr(), tables.shape[1],
+                                lens.data_ptr())
         self._sync_threads()
         self._lib.tm_decode_stack(ctypes.byref(decoder), x.data_ptr(), x.shape[0], pos.data_ptr(),
-                                  k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
-                                  k_cache.shape[2], slots.data_ptr(), tables.data_ptr(),
-                                  tables.shape[1], lens.data_ptr())
+                                  structs, pools[0][0].shape[2])
         return x

@@ -21,8 +21,9 @@ from tokenmill.layers.linear import Linear
 
 @dataclass
 class DecoderLayerWeights:
-    """One Llama-family layer: norm -> qkv (+ q/k norm) -> RoPE -> attention -> o ->
-    residual norm -> gate|up -> SiLU x up -> down."""
+    """One layer: norm -> qkv (+ q/k norm) -> RoPE -> attention -> o -> residual norm ->
+    gate|up -> act(gate) x up -> down (Llama). With pre_ffn_norm (Gemma 3): o -> post_norm ->
+    residual add -> pre_ffn_norm -> MLP -> post_ffn_norm."""
 
     input_norm: torch.Tensor
     qkv: Linear
@@ -33,6 +34,11 @@ class DecoderLayerWeights:
     gate_up: Linear
     down: Linear
     window: int  # sliding window in tokens, 0 = none
+    pre_ffn_norm: torch.Tensor | None = None
+    post_ffn_norm: torch.Tensor | None = None
+    cos_sin: torch.Tensor | None = None  # this layer's rotary table; None: the model's
+    pool: int = 0  # the KV block pool (cache group) of this layer, and its index there
+    pool_layer: int = 0
 
 
 @dataclass
@@ -46,6 +52,18 @@ class DecoderWeights:
     intermediate: int
     eps: float
     scale: float
+    act: str = "silu"  # klib.ACTIVATIONS
+
+
+def fused_step(model, x: torch.Tensor, ctx):
+    """The fused decoder of `model` (a module with `ops`, `_fused` and
+    `fused_decode_weights()`) if it runs this step: decode-only, and one the op
+    implementation's fused decoder takes (FusedDecoder.accepts); built at first use."""
+    if ctx.prefills or ctx.num_decode_tokens != x.shape[0]:
+        return None
+    if model._fused is None:
+        model._fused = model.ops.fused_decoder(model.fused_decode_weights()) or False
+    return model._fused if model._fused and model._fused.accepts(x, ctx) else None
 
 
 class FusedDecoder:
@@ -66,19 +84,29 @@ class FusedDecoder:
             p = prepared[4 * i: 4 * i + 4]
             layers[i] = klib.Layer(
                 _ptr(layer.input_norm), _ptr(layer.post_norm), _ptr(layer.q_norm),
-                _ptr(layer.k_norm), p[0].packed.struct, p[1].packed.struct,
-                p[2].packed.struct, p[3].packed.struct, layer.window)
+                _ptr(layer.k_norm), _ptr(layer.pre_ffn_norm), _ptr(layer.post_ffn_norm),
+                p[0].packed.struct, p[1].packed.struct, p[2].packed.struct,
+                p[3].packed.struct, layer.window, _ptr(layer.cos_sin), layer.pool,
+                layer.pool_layer)
         self._layers = layers
+        self.num_pools = 1 + max(layer.pool for layer in w.layers)
         self.struct = klib.Decoder(
             klib.DTYPES[self.dtype], len(w.layers), w.final_norm.numel(), w.heads, w.kv_heads,
-            w.head_dim, w.intermediate, w.eps, w.scale,
+            w.head_dim, w.intermediate, w.eps, w.scale, klib.ACTIVATIONS[w.act],
             ctypes.cast(layers, ctypes.POINTER(klib.Layer)), _ptr(w.final_norm),
             _ptr(w.cos_sin), w.cos_sin.shape[1])
 
-    def accepts(self, x: torch.Tensor, cache) -> bool:
-        """x's batch, on this KV cache: the model's dtype, or int8 / int4 pages."""
-        return (x.device.type == "cpu" and x.dtype == self.dtype and x.shape[0] <= self.max_rows
-                and (cache.lossless(x.dtype) or cache.format.name in klib.KV_FORMATS))
+    def accepts(self, x: torch.Tensor, ctx) -> bool:
+        """x's batch, on this step's KV caches: the model's dtype, or (one pool only) int8 /
+        int4 pages."""
+        if x.device.type != "cpu" or x.dtype != self.dtype or x.shape[0] > self.max_rows:
+            return False
+        cache = ctx.kv_cache
+        if self.num_pools == 2:
+            return (ctx.window_ctx is not None and cache.lossless(x.dtype)
+                    and ctx.window_ctx.kv_cache.lossless(x.dtype))
+        return ctx.window_ctx is None and (cache.lossless(x.dtype)
+                                           or cache.format.name in klib.KV_FORMATS)
 
     def __call__(self, x, positions, ctx) -> torch.Tensor:
         """x: (decodes, hidden) embeddings of a decode-only step -> the final norm's output."""
@@ -92,9 +120,9 @@ class FusedDecoder:
             if fmt.rotated:
                 self._rotation = fmt.rotation(self.head_dim, x.device).contiguous()
                 st.kv_rotation = self._rotation.data_ptr()
-        return self.lib.decode_stack(st, x, positions, cache.k[0], cache.v[0],
-                                     ctx.slot_mapping, ctx.decode_block_tables,
-                                     ctx.decode_seq_lens)
+        pools = [(c.kv_cache.k[0], c.kv_cache.v[0], c.slot_mapping, c.decode_block_tables,
+                  c.decode_seq_lens) for c in (ctx, ctx.window_ctx)[:self.num_pools]]
+        return self.lib.decode_stack(st, x, positions, pools)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -8,8 +8,9 @@ the local layers' blocks older than the window are freed, so their cache stays f
 long the sequence grows. Norm weights are stored as (1 + w), the multiplier itself, so the
 ordinary RMSNorm kernels run them; Hugging Face checkpoints store w (load_weights adds the 1)
 and llama.cpp's converter already added it (the GGUF family takes it off again, so both
-sources hand load_weights the Hugging Face values). Decode runs the Python layers (the fused
-C++ decode step implements the Llama layer only).
+sources hand load_weights the Hugging Face values). Decode-only steps run all layers in the
+fused C++ decode step (layers/fused_decode.py: Gemma's extra norms, GeGLU, each layer's RoPE
+table and KV pool), the same kernels in the same order as the Python layers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext
+from tokenmill.layers.fused_decode import DecoderLayerWeights, DecoderWeights, fused_step
 from tokenmill.layers.linear import Linear, embedding
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -65,16 +67,43 @@ class Gemma3Model(nn.Module):
         self.rotary_emb_local = RotaryEmbedding(cfg.head_dim, max_positions,
                                                 cfg.rope_local_theta or cfg.rope_theta, None)
         self.embed_scale = cfg.hidden_size**0.5
+        self.cfg = cfg
         self.ops = ops.current()
+        self._fused = None  # the fused decode step, built at the first decode-only step
 
     def forward(self, input_ids, positions, ctx: AttentionContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (tokens, hidden)
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded as transformers does
+        fused = self._fused_decoder(x, ctx)
+        if fused is not None:
+            return fused(x, positions, ctx)
         residual = None
         for layer in self.layers:
             rotary = self.rotary_emb_local if layer.is_sliding else self.rotary_emb
             x, residual = layer(x, residual, positions, rotary, ctx)
         return self.norm(x, residual)[0]
+
+    def _fused_decoder(self, x: torch.Tensor, ctx: AttentionContext):
+        return fused_step(self, x, ctx)
+
+    def fused_decode_weights(self) -> DecoderWeights:
+        """This model's weights, named, for the fused decode step (layers/fused_decode.py)."""
+        cfg = self.cfg
+        layers = [DecoderLayerWeights(
+            input_norm=layer.input_layernorm.weight, qkv=layer.self_attn.qkv_proj,
+            q_norm=layer.self_attn.q_norm.weight, k_norm=layer.self_attn.k_norm.weight,
+            o=layer.self_attn.o_proj, post_norm=layer.post_attention_layernorm.weight,
+            gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj,
+            window=layer.self_attn.attn.sliding_window or 0,
+            pre_ffn_norm=layer.pre_feedforward_layernorm.weight,
+            post_ffn_norm=layer.post_feedforward_layernorm.weight,
+            cos_sin=(self.rotary_emb_local if layer.is_sliding else self.rotary_emb).cos_sin,
+            pool=layer.self_attn.attn.cache_group, pool_layer=layer.self_attn.attn.layer_idx)
+            for layer in self.layers]
+        return DecoderWeights(
+            layers, self.norm.weight, self.rotary_emb.cos_sin, cfg.num_attention_heads,
+            cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, self.norm.eps,
+            self.layers[0].self_attn.attn.scale, "gelu_tanh")
 
 
 class Gemma3ForCausalLM(nn.Module):

@@ -15,7 +15,7 @@ from torch import nn
 
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PagedAttention
-from tokenmill.layers.fused_decode import DecoderLayerWeights, DecoderWeights
+from tokenmill.layers.fused_decode import DecoderLayerWeights, DecoderWeights, fused_step
 from tokenmill.layers.linear import Linear, embedding
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
@@ -64,7 +64,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
-# gated MLP activations: config name -> op (act(gate) * up)
+# gated MLP activations: config name -> op (act(gate) * up; the fused step's name less _mul)
 GATED_ACTIVATIONS = {"silu": "silu_mul", "swish": "silu_mul", "gelu_pytorch_tanh": "gelu_tanh_mul",
                      "gelu_tanh": "gelu_tanh_mul"}
 
@@ -128,14 +128,8 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual)[0]
 
     def _fused_decoder(self, x: torch.Tensor, ctx: AttentionContext):
-        """All layers in one kernel call, for decode-only steps (when the op implementation
-        has a fused decoder and it takes this batch and cache: FusedDecoder.accepts)."""
-        if ctx.prefills or ctx.num_decode_tokens != x.shape[0] or ctx.window_ctx is not None:
-            return None
-        if self._fused is None:  # the C++ decode stack runs SiLU MLPs only
-            silu = GATED_ACTIVATIONS[self.cfg.hidden_act] == "silu_mul"
-            self._fused = silu and self.ops.fused_decoder(self.fused_decode_weights()) or False
-        return self._fused if self._fused and self._fused.accepts(x, ctx.kv_cache) else None
+        """All layers in one kernel call, for decode-only steps (layers/fused_decode.py)."""
+        return fused_step(self, x, ctx)
 
     def fused_decode_weights(self) -> DecoderWeights | None:
         """This model's weights, named, for the fused decode step (layers/fused_decode.py);
@@ -149,11 +143,14 @@ class LlamaModel(nn.Module):
             k_norm=_weight_of(layer.self_attn, "k_norm"),
             o=layer.self_attn.o_proj, post_norm=layer.post_attention_layernorm.weight,
             gate_up=layer.mlp.gate_up_proj, down=layer.mlp.down_proj,
-            window=layer.self_attn.attn.sliding_window or 0) for layer in self.layers]
+            window=layer.self_attn.attn.sliding_window or 0,
+            pool=layer.self_attn.attn.cache_group, pool_layer=layer.self_attn.attn.layer_idx)
+            for layer in self.layers]
         return DecoderWeights(
             layers, self.norm.weight, self.rotary_emb.cos_sin, cfg.num_attention_heads,
             cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, self.norm.eps,
-            self.layers[0].self_attn.attn.scale)
+            self.layers[0].self_attn.attn.scale,
+            GATED_ACTIVATIONS[cfg.hidden_act].removesuffix("_mul"))
 
 
 def _weight_of(module: nn.Module, name: str) -> torch.Tensor | None:

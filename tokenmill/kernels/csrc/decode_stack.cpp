@@ -1,5 +1,6 @@
 // tokenmill CPU kernels: every decoder layer of a decode-only step in one call. The same
-// kernels in the same order as the Python model (models/llama.py, LlamaDecoderLayer), reading
+// kernels in the same order as the Python model (models/llama.py, LlamaDecoderLayer, and
+// models/gemma3.py, Gemma3DecoderLayer), reading
 // the named per-layer weights of a tm_decoder (tm.h); running the layer loop here saves the
 // Python overhead of ~15 small ops per layer, which dominates small models' decode steps.
 #include "internal.h"
@@ -53,9 +54,8 @@ void store_slots(T* cache, const T* x, const int64_t* slots, int64_t tokens, int
 }
 
 template <typename T>
-void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions, T* k_cache,
-                  T* v_cache, int64_t layer_elems, int64_t BS, const int64_t* slots,
-                  const int64_t* tables, int64_t max_blocks, const int64_t* lens) {
+void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions,
+                  const tm_kv_pool* pools, int64_t BS) {
   thread_local Scratch s;
   const int dt = m.dtype;
   const int64_t H = m.hidden, D = m.head_dim, qs = m.heads * D, kvs = m.kv_heads * D;
@@ -72,6 +72,8 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
   std::memcpy(res, x, B * H * sizeof(T));
   for (int64_t l = 0; l < m.num_layers; ++l) {
     const tm_layer& w = m.layers[l];
+    const tm_kv_pool& pool = pools[w.pool];
+    const float* cos_sin = w.cos_sin ? w.cos_sin : m.cos_sin;
     tm_rms_norm(dt, res, w.input_norm, l == 0 ? nullptr : h, x, B, H, m.eps);  // res += h
     tm_linear_fwd(dt, x, B, &w.qkv, dt, qkv);
     for (int64_t b = 0; b < B; ++b) {  // split q | k | v
@@ -83,24 +85,37 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
       tm_rms_norm(dt, q, w.q_norm, nullptr, q, B * m.heads, D, m.eps);
       tm_rms_norm(dt, k, w.k_norm, nullptr, k, B * m.kv_heads, D, m.eps);
     }
-    tm_rope(dt, q, B, m.heads, D, m.cos_sin, m.max_positions, positions);
-    tm_rope(dt, k, B, m.kv_heads, D, m.cos_sin, m.max_positions, positions);
-    if (m.kv_format) {
-      quant_kv_layer(m, l, q, k, v, attn, B, k_cache, v_cache, layer_elems / (m.kv_heads * D),
-                     BS, slots, tables, max_blocks, lens, w.window, s.f32);
+    tm_rope(dt, q, B, m.heads, D, cos_sin, m.max_positions, positions);
+    tm_rope(dt, k, B, m.kv_heads, D, cos_sin, m.max_positions, positions);
+    const int64_t layer_elems = pool.num_blocks * BS * kvs;
+    if (m.kv_format) {  // one pool only (FusedDecoder.accepts)
+      quant_kv_layer(m, w.pool_layer, q, k, v, attn, B, pool.k, pool.v, pool.num_blocks * BS,
+                     BS, pool.slots, pool.tables, pool.max_blocks, pool.lens, w.window, s.f32);
     } else {
-      T* kc = k_cache + l * layer_elems;
-      T* vc = v_cache + l * layer_elems;
-      store_slots(kc, k, slots, B, kvs);
-      store_slots(vc, v, slots, B, kvs);
-      tm_decode_attention(dt, q, kc, vc, BS, m.kv_heads, tables, max_blocks, lens, B, m.heads,
-                          D, w.window, m.scale, attn);
+      T* kc = static_cast<T*>(pool.k) + w.pool_layer * layer_elems;
+      T* vc = static_cast<T*>(pool.v) + w.pool_layer * layer_elems;
+      store_slots(kc, k, pool.slots, B, kvs);
+      store_slots(vc, v, pool.slots, B, kvs);
+      tm_decode_attention(dt, q, kc, vc, BS, m.kv_heads, pool.tables, pool.max_blocks,
+                          pool.lens, B, m.heads, D, w.window, m.scale, attn);
     }
     tm_linear_fwd(dt, attn, B, &w.o, dt, h);
-    tm_rms_norm(dt, res, w.post_norm, h, x, B, H, m.eps);  // res += attention output
+    if (w.pre_ffn_norm) {  // Gemma: norm the attention output, add, norm again
+      tm_rms_norm(dt, h, w.post_norm, nullptr, x, B, H, m.eps);
+      tm_rms_norm(dt, res, w.pre_ffn_norm, x, x, B, H, m.eps);  // res += x, x = norm(res)
+    } else {
+      tm_rms_norm(dt, res, w.post_norm, h, x, B, H, m.eps);  // res += attention output
+    }
     tm_linear_fwd(dt, x, B, &w.gate_up, dt, gu);
-    tm_silu_mul(dt, gu, act, B, I);
+    if (m.act == TM_ACT_GELU_TANH)
+      tm_gelu_tanh_mul(dt, gu, act, B, I);
+    else
+      tm_silu_mul(dt, gu, act, B, I);
     tm_linear_fwd(dt, act, B, &w.down, dt, h);
+    if (w.post_ffn_norm) {
+      tm_rms_norm(dt, h, w.post_ffn_norm, nullptr, x, B, H, m.eps);
+      std::memcpy(h, x, B * H * sizeof(T));
+    }
   }
   tm_rms_norm(dt, res, m.final_norm, h, x, B, H, m.eps);
 }
@@ -110,16 +125,9 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
 using namespace tm;
 
 extern "C" void tm_decode_stack(const tm_decoder* m, void* x, int64_t batch,
-                                const int64_t* positions, void* k_cache, void* v_cache,
-                                int64_t num_blocks, int64_t block_size, const int64_t* slots,
-                                const int64_t* block_tables, int64_t max_blocks,
-                                const int64_t* seq_lens) {
-  int64_t layer_elems = num_blocks * block_size * m->kv_heads * m->head_dim;
+                                const int64_t* positions, const tm_kv_pool* pools,
+                                int64_t block_size) {
   if (m->dtype == TM_BF16)
-    return decode_stack(*m, static_cast<bf16*>(x), batch, positions, static_cast<bf16*>(k_cache),
-                        static_cast<bf16*>(v_cache), layer_elems, block_size, slots,
-                        block_tables, max_blocks, seq_lens);
-  decode_stack(*m, static_cast<float*>(x), batch, positions, static_cast<float*>(k_cache),
-               static_cast<float*>(v_cache), layer_elems, block_size, slots, block_tables,
-               max_blocks, seq_lens);
+    return decode_stack(*m, static_cast<bf16*>(x), batch, positions, pools, block_size);
+  decode_stack(*m, static_cast<float*>(x), batch, positions, pools, block_size);
 }

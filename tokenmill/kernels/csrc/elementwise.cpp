@@ -99,6 +99,35 @@ void silu_mul_rows(const T* x, T* out, int64_t rows, int64_t I) {
   });
 }
 
+// GELU, tanh approximation: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), with
+// tanh(u) = 1 - 2 / (exp(2u) + 1) (exp overflowing to inf gives 1, as it should)
+template <typename T>
+void gelu_tanh_mul_rows(const T* x, T* out, int64_t rows, int64_t I) {
+  parallel_for(0, rows, std::max<int64_t>(1, 8192 / I), [&](int64_t r0, int64_t r1) {
+    const vec one = vset1(1.0f), two = vset1(2.0f), half = vset1(0.5f);
+    const vec c = vset1(0.7978845608028654f), c3 = vset1(0.044715f);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = x + r * 2 * I;
+      const T* u = g + I;
+      T* o = out + r * I;
+      int64_t i = 0;
+      for (; i + kLanes <= I; i += kLanes) {  // gelu(g) rounded to T, times up, rounded
+        vec gv = vload(g + i);
+        vec inner = vmul(c, vfma(vmul(c3, gv), vmul(gv, gv), gv));
+        vec th = vsub(one, vdiv(two, vadd(vexp(vmul(two, inner)), one)));
+        vec act = vrnd<T>(vmul(vmul(half, gv), vadd(one, th)));
+        vstore(o + i, vmul(act, vload(u + i)));
+      }
+      for (; i < I; ++i) {
+        float gv = to_f(g[i]);
+        float act = rnd<T>(0.5f * gv * (1.0f + std::tanh(0.7978845608028654f *
+                                                          (gv + 0.044715f * gv * gv * gv))));
+        o[i] = from_f<T>(act * to_f(u[i]));
+      }
+    }
+  });
+}
+
 // The index of a row's largest value, the first on ties, a NaN counting as the largest
 // (torch.argmax's rules): one vectorized pass for the maximum, one for its first index.
 int64_t argmax_row(const float* p, int64_t n) {
@@ -153,6 +182,12 @@ void tm_silu_mul(int dtype, const void* x, void* out, int64_t rows, int64_t inte
   if (dtype == TM_BF16)
     return silu_mul_rows(static_cast<const bf16*>(x), static_cast<bf16*>(out), rows, inter);
   silu_mul_rows(static_cast<const float*>(x), static_cast<float*>(out), rows, inter);
+}
+
+void tm_gelu_tanh_mul(int dtype, const void* x, void* out, int64_t rows, int64_t inter) {
+  if (dtype == TM_BF16)
+    return gelu_tanh_mul_rows(static_cast<const bf16*>(x), static_cast<bf16*>(out), rows, inter);
+  gelu_tanh_mul_rows(static_cast<const float*>(x), static_cast<float*>(out), rows, inter);
 }
 
 void tm_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out) {

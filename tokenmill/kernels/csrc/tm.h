@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 5
+#define TM_ABI_VERSION 6
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -29,16 +29,39 @@ typedef struct {
   int32_t quant;
 } tm_linear;
 
-/* One Llama-family decoder layer, named as in models/llama.py. Norm weights are in the
- * model's dtype; q_norm / k_norm are NULL when the model has none. */
+/* One decoder layer, named as in models/llama.py. Norm weights are in the model's dtype;
+ * q_norm / k_norm are NULL when the model has none. With pre_ffn_norm (Gemma 3) the layer is
+ * input_norm -> attention -> post_norm (of the attention output) -> residual add ->
+ * pre_ffn_norm -> MLP -> post_ffn_norm; without it (Llama) post_norm follows the residual add
+ * and the MLP output goes to the residual as it is. cos_sin: this layer's rotary table, NULL
+ * = the model's. pool / pool_layer: which KV pool (tm_kv_pool) holds this layer, at what
+ * index within it. */
 typedef struct {
   const void* input_norm;
   const void* post_norm;
   const void* q_norm;
   const void* k_norm;
+  const void* pre_ffn_norm;
+  const void* post_ffn_norm;
   tm_linear qkv, o, gate_up, down;
   int64_t window; /* sliding window in tokens, 0 = none */
+  const float* cos_sin;
+  int64_t pool, pool_layer;
 } tm_layer;
+
+/* One KV block pool of a decode step: its caches (num_blocks, block_size, kv_heads, head_dim)
+ * per layer, each new token's slot, the block tables (batch, max_blocks) and sequence lengths. */
+typedef struct {
+  void *k, *v;
+  int64_t num_blocks;
+  const int64_t* slots;
+  const int64_t* tables;
+  int64_t max_blocks;
+  const int64_t* lens;
+} tm_kv_pool;
+
+#define TM_ACT_SILU 0
+#define TM_ACT_GELU_TANH 1
 
 /* What the fused decode step reads: the layers, the final norm and the rotary table; and how
  * its KV cache stores values: kv_format 0 = in the model's dtype, else TM_KV_INT8 / TM_KV_INT4
@@ -47,6 +70,7 @@ typedef struct {
   int32_t dtype;
   int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
   float eps, scale;
+  int32_t act; /* TM_ACT_SILU or TM_ACT_GELU_TANH: act(gate) * up */
   const tm_layer* layers;
   const void* final_norm;
   const float* cos_sin; /* (2, max_positions, head_dim) float32 */
@@ -87,6 +111,8 @@ TM_API void tm_rope(int dtype, void* x, int64_t tokens, int64_t heads, int64_t h
                     const float* cos_sin, int64_t max_positions, const int64_t* positions);
 /* x (rows, 2 * inter) = [gate | up] -> out (rows, inter) = silu(gate) * up */
 TM_API void tm_silu_mul(int dtype, const void* x, void* out, int64_t rows, int64_t inter);
+/* the same with GELU's tanh approximation (GeGLU) */
+TM_API void tm_gelu_tanh_mul(int dtype, const void* x, void* out, int64_t rows, int64_t inter);
 /* first index of each row's maximum (NaN counts as the largest) */
 TM_API void tm_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
 /* q (batch, heads, head_dim) against one layer's paged cache (blocks, block_size, kv_heads,
@@ -127,10 +153,8 @@ TM_API void tm_decode_attention_quant(const float* q, const tm_kv_pages* k, cons
 /* every decoder layer of a decode-only step: x (batch, hidden) holds the embeddings and
  * receives the final norm's output; caches (layers, blocks, block_size, kv_heads, head_dim) */
 TM_API void tm_decode_stack(const tm_decoder* model, void* x, int64_t batch,
-                            const int64_t* positions, void* k_cache, void* v_cache,
-                            int64_t num_blocks, int64_t block_size, const int64_t* slots,
-                            const int64_t* block_tables, int64_t max_blocks,
-                            const int64_t* seq_lens);
+                            const int64_t* positions, const tm_kv_pool* pools,
+                            int64_t block_size);
 
 #ifdef __cplusplus
 }
