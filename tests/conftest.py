@@ -158,15 +158,18 @@ class LiveServer:
     """uvicorn in a background thread. The socket is bound and listening before the thread
     starts, so clients may connect at once: they wait in the backlog until it accepts."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, request_timeout: float | None = None) -> None:
         import uvicorn
+
+        from tokenmill.server.connections import DEFAULT_REQUEST_TIMEOUT, server_config
 
         self.app = app
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(server_config(
+            app, request_timeout or DEFAULT_REQUEST_TIMEOUT, log_level="warning",
+            timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
                                        daemon=True)
         self.thread.start()

@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
                    help="largest request body accepted; larger ones get HTTP 413 (16 MiB)")
     g.add_argument("--served-model-name", nargs="+",
                    help="model name(s) clients use; the first one is reported")
+    g.add_argument("--request-timeout", type=float, default=30.0,
+                   help="seconds a connection may take to send a request's headers, and the "
+                        "longest gap allowed in its body; stalled connections are closed (30)")
     g.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="on SIGTERM, seconds requests in flight may take to finish before "
                         "they end with an error event (30)")
@@ -57,11 +60,10 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def run(args) -> int:
-    import uvicorn
-
     from tokenmill.config import EngineConfig
     from tokenmill.engine.llm_engine import LLMEngine
     from tokenmill.server.app import create_app
+    from tokenmill.server.connections import server_config
     from tokenmill.server.serving import RequestLimits
     from tokenmill.server.shutdown import DrainingServer
 
@@ -70,6 +72,8 @@ def run(args) -> int:
                  "max_prompts_per_request"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if not args.request_timeout > 0:
+        raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     engine_config = EngineConfig(model=args.model, **engine_kwargs(args))
     names = args.served_model_name or [args.model]
 
@@ -89,6 +93,7 @@ def run(args) -> int:
                        args.host)
     shown = f"[{host}]" if ":" in host else host
     print(f"tokenmill serve: {names[0]!r} on http://{shown}:{port}/v1", flush=True)
-    config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5)
+    config = server_config(app, args.request_timeout, log_level=args.log_level,
+                           timeout_graceful_shutdown=5)
     DrainingServer(config, app.state.async_engine, args.shutdown_timeout).run(sockets=[sock])
     return 0
