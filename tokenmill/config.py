@@ -45,6 +45,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     use_kernels: bool = True  # C++ CPU kernels when they build; False = PyTorch reference ops
+    # batch-invariant kernels (layers/batch_invariant.py): results independent of batching,
+    # chunking, prefix caching and prefill vs decode
+    deterministic: bool = False
     # speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": 4, ...},
     # {"model": PATH, "num_speculative_tokens": 4}, a JSON string of either, or None
     speculative_config: SpeculativeConfig | dict | str | None = None
@@ -72,6 +75,9 @@ class EngineConfig:
         _positive("num_threads", self.num_threads)
         if self.block_size > 1024:
             raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
+        if self.deterministic and self.kv_cache_dtype != "auto":
+            raise ValueError("deterministic mode keeps the KV cache in the model's dtype "
+                             f"(kv_cache_dtype 'auto'), got {self.kv_cache_dtype!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens is not None and (
             self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len
         ):

@@ -35,6 +35,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-memory", type=parse_bytes, help="KV cache budget, e.g. 2GiB")
     g.add_argument("--kv-cache-dtype", default="auto")
     g.add_argument("--threads", type=int, help="CPU threads for PyTorch")
+    g.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant kernels: the same tokens and logprobs alone, batched, "
+                        "chunked or prefix-cached (slower prefill; docs/performance.md)")
     g.add_argument("--speculative-config", metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
@@ -51,6 +54,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=not args.no_chunked_prefill,
         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.threads, speculative_config=args.speculative_config,
+        deterministic=args.deterministic,
     )
 
 

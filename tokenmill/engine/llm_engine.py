@@ -49,7 +49,7 @@ class LLMEngine:
         check_model_fits(path, self.device)
         read_model_config(path)  # a GGUF's metadata is parsed once, here, and reused by the loaders
         clock.lap("metadata")
-        backend = ops.select(config.use_kernels, self.device)
+        backend = ops.select(config.use_kernels, self.device, config.deterministic)
         clock.lap("kernel library")
         rss_before_weights = rss()
         model, self.model_config, self.dtype = load_model(

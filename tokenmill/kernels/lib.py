@@ -13,13 +13,13 @@ import torch
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 6
+ABI_VERSION = 7
 _P, _I = c_void_p, c_int64
 
 
 class Linear(ctypes.Structure):
     _fields_ = [("packed", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64),
-                ("quant", ctypes.c_int32)]
+                ("quant", ctypes.c_int32), ("row_invariant", ctypes.c_int32)]
 
 
 class KVPages(ctypes.Structure):

@@ -297,12 +297,20 @@ def available() -> bool:
     return load_cpu_kernels() is not None
 
 
-def select(use_kernels: bool, device: torch.device) -> TorchOps:
-    """The kernels for a CPU engine when they load (and are wanted), else the reference."""
+def select(use_kernels: bool, device: torch.device, deterministic: bool = False) -> TorchOps:
+    """The kernels for a CPU engine when they load (and are wanted), else the reference;
+    deterministic: their batch-invariant form (layers/batch_invariant.py), which needs them."""
     if use_kernels and device.type == "cpu":
         from tokenmill.kernels import load_cpu_kernels
 
         lib = load_cpu_kernels()
         if lib is not None:
+            if deterministic:
+                from tokenmill.layers.batch_invariant import BatchInvariantOps
+
+                return BatchInvariantOps(lib)
             return KernelOps(lib)
+    if deterministic:
+        raise ValueError("deterministic (batch-invariant) mode needs tokenmill's C++ kernels "
+                         "on the CPU: they did not load here, or use_kernels/device exclude them")
     return _REFERENCE

@@ -145,7 +145,8 @@ template <int MR, typename W, typename O> struct Fma {
 // later tiles find it cached and prefetch the next panel meanwhile, in equal shares.
 template <int MR, template <int, typename, typename> class M, typename X, typename W, typename O>
 void gemm_packed(const X* x, const W* w, int64_t panel_elems, const float* bias, O* out,
-                 int64_t Mrows, int64_t N, int64_t K) {
+                 int64_t Mrows, int64_t N, int64_t K, bool row_invariant) {
+  const int64_t tile_rows = row_invariant ? 1 : MR;
   int64_t panels = (N + kPanel - 1) / kPanel, bytes = panel_elems * sizeof(W);
   const RowBlocks rb(Mrows, K, MR, sizeof(X));
   const int64_t block = rb.size, blocks = rb.count;
@@ -155,7 +156,7 @@ void gemm_packed(const X* x, const W* w, int64_t panel_elems, const float* bias,
       int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
       const W* panel = w + p * panel_elems;
       const char* start = reinterpret_cast<const char*>(panel);
-      int64_t tiles = (m1 - m0 + MR - 1) / MR;
+      int64_t tiles = (m1 - m0 + tile_rows - 1) / tile_rows;
       int64_t share = tiles > 1 ? (bytes / (tiles - 1) + 63) / 64 * 64 : 0;
       // the next panel follows this one; prefetch it only when this thread reads it next
       const char* next = start + bytes;
@@ -163,8 +164,8 @@ void gemm_packed(const X* x, const W* w, int64_t panel_elems, const float* bias,
       for (int64_t j = 0; j < tiles; ++j) {
         Prefetch pre = j == 0 ? Prefetch{start + 4096, start + 4096 + bytes}
                               : Prefetch{next + (j - 1) * share, next + std::min(ahead, j * share)};
-        int64_t m = m0 + j * MR;
-        Tiles<MR, X, W, O, M>::run(std::min<int64_t>(MR, m1 - m), x + m * K, K, panel, K,
+        int64_t m = m0 + j * tile_rows;
+        Tiles<MR, X, W, O, M>::run(std::min<int64_t>(tile_rows, m1 - m), x + m * K, K, panel, K,
                                    bias ? bias + n0 : nullptr, out + m * N + n0, N, cols, pre);
       }
     }
@@ -213,12 +214,12 @@ void linear_typed(int dtype, const void* x, int64_t m, const tm_linear* w, O* ou
   if (dtype == TM_F32) {
     return gemm_packed<kTileRows, Fma>(static_cast<const float*>(x),
                                        static_cast<const float*>(w->packed), panel_elems, w->bias,
-                                       out, m, N, K);
+                                       out, m, N, K, w->row_invariant);
   }
   const bf16* xb = static_cast<const bf16*>(x);
   const bf16* wb = static_cast<const bf16*>(w->packed);
 #ifdef TM_ISA_AVX512_BF16
-  return gemm_dot(xb, wb, panel_elems, w->bias, out, m, N, K);
+  return gemm_dot(xb, wb, panel_elems, w->bias, out, m, N, K, w->row_invariant);
 #else
   thread_local std::vector<float> xf;  // the FMA tiles broadcast float32 inputs
   xf.resize(m * K);
@@ -226,7 +227,8 @@ void linear_typed(int dtype, const void* x, int64_t m, const tm_linear* w, O* ou
   parallel_for(0, m, std::max<int64_t>(1, 16384 / K), [&](int64_t r0, int64_t r1) {
     for (int64_t i = r0 * K; i < r1 * K; ++i) xp[i] = to_f(xb[i]);
   });
-  gemm_packed<kTileRows, Fma>(static_cast<const float*>(xp), wb, panel_elems, w->bias, out, m, N, K);
+  gemm_packed<kTileRows, Fma>(static_cast<const float*>(xp), wb, panel_elems, w->bias, out, m, N,
+                              K, w->row_invariant);
 #endif
 }
 

@@ -68,8 +68,9 @@ void micro_dot_rows(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel,
 // every row tile accumulates into a float32 scratch, stored to out after the last chunk.
 template <typename O>
 void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bias, O* out,
-              int64_t M, int64_t N, int64_t K) {
+              int64_t M, int64_t N, int64_t K, bool row_invariant) {
   constexpr int MR = kDotTileRows;
+  const int64_t tile_rows = row_invariant ? 1 : MR;
   const int64_t panels = (N + kPanel - 1) / kPanel, pairs = K / 2, total = (K + 1) / 2;
   const RowBlocks rb(M, K, MR, sizeof(bf16));
   const int64_t block = rb.size, blocks = rb.count;
@@ -85,8 +86,8 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
                          (t + 1 < t1 && p + 1 < panels ? panel_elems * 2 : 0);
       for (int64_t kp = 0; kp < total; kp += kDotChunk) {
         const char* pf = reinterpret_cast<const char*>(panel + (kp + kDotChunk) * 2 * kPanel);
-        for (int64_t i = 0; i < rows; i += MR)
-          micro_dot_rows<MR>(std::min<int64_t>(MR, rows - i), x + (m0 + i) * K, K, panel, kp,
+        for (int64_t i = 0; i < rows; i += tile_rows)
+          micro_dot_rows<MR>(std::min<int64_t>(tile_rows, rows - i), x + (m0 + i) * K, K, panel, kp,
                              std::min(total, kp + kDotChunk), pairs, kp == 0, acc + i,
                              i == 0 && pf < stop ? pf : nullptr);
       }

@@ -76,8 +76,8 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
       const int64_t i1 = std::min(m, i0 + kRowChunk);
       for (int64_t g = g0; g < g1; ++g) {
         const int64_t n = std::min(kGroup, N - g * kGroup);
-        for (int64_t i = i0; i < i1; i += kRowTile) {
-          const int R = static_cast<int>(std::min(kRowTile, i1 - i));
+        for (int64_t i = i0; i < i1; i += w->row_invariant ? 1 : kRowTile) {
+          const int R = w->row_invariant ? 1 : static_cast<int>(std::min(kRowTile, i1 - i));
           const int64_t bi = i * (K / kBlock);
           tile<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, y);
           for (int r = 0; r < R; ++r) {
