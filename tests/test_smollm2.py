@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 
+from tests.conftest import gguf_reference
 from tokenmill import LLM, SamplingParams, hub
 
 transformers = pytest.importorskip("transformers")
@@ -41,11 +42,7 @@ def llm(model_path) -> LLM:
 
 @pytest.fixture(scope="module")
 def reference(model_path):
-    folder, file = os.path.split(model_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=file,
-                                                              dtype=torch.float32).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=file)
-    return model, tokenizer
+    return gguf_reference(model_path)
 
 
 def test_name_resolves_to_the_cached_file(llm, model_path):

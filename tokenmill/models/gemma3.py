@@ -23,12 +23,12 @@ from torch import nn
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext
 from tokenmill.layers.fused_decode import DecoderLayerWeights, DecoderWeights, fused_step
-from tokenmill.layers.linear import Linear, embedding
+from tokenmill.layers.linear import embedding
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loaders.gguf_family import LAYER_NAMES, QK_NORM_NAMES, GGUFFamily, GGUFMeta
 from tokenmill.models.config import ModelConfig, as_list
-from tokenmill.models.llama import PACKED, LlamaAttention, LlamaMLP
+from tokenmill.models.llama import PACKED, LlamaAttention, LlamaForCausalLM, LlamaMLP
 from tokenmill.models.loading import load_packed
 
 
@@ -106,20 +106,8 @@ class Gemma3Model(nn.Module):
             self.layers[0].self_attn.attn.scale, "gelu_tanh")
 
 
-class Gemma3ForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = Gemma3Model(cfg, max_positions or cfg.max_position_embeddings)
-        self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(self, input_ids, positions, ctx: AttentionContext) -> torch.Tensor:
-        return self.model(input_ids, positions, ctx)
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    model_class = Gemma3Model
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden, out_fp32=True)  # (rows, vocab) float32

@@ -159,10 +159,12 @@ def _weight_of(module: nn.Module, name: str) -> torch.Tensor | None:
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class = LlamaModel  # the decoder stack under the LM head (Gemma 3 has its own)
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions or cfg.max_position_embeddings)
+        self.model = self.model_class(cfg, max_positions or cfg.max_position_embeddings)
         self.lm_head = Linear(cfg.hidden_size, [cfg.vocab_size], bias=False)
         self.tie_weights()
 
