@@ -38,21 +38,31 @@ class KVCacheManager:
         """Per pool, the blocks of seq's longest prefix that every pool can serve. A full
         pool must hold every block of it; a sliding-window pool only the blocks the next query
         sees (the others, long released, stand as NULL_BLOCK), as vLLM's sliding-window
-        manager does: a shared system prompt longer than the window is still a hit."""
+        manager does: a shared system prompt longer than the window is still a hit. Linear in
+        the prompt's blocks (this runs for the head of the waiting queue every step)."""
         found = [m.cached_prefix_blocks(seq) for m in self.managers]
-        for n in range(min(len(f) for f in found), 0, -1):
-            hits = [self._hit(f, n, g.window) for f, g in zip(found, self.groups)]
-            if all(h is not None for h in hits):
-                return hits
+        longest = min(len(f) for f in found)
+        for f, g in zip(found, self.groups):  # a full pool: its leading run of hits
+            if g.window is None:
+                longest = next((i for i, b in enumerate(f[:longest]) if b is None), longest)
+        # per sliding pool, the last missing block before each position
+        last_missing = {}
+        for i, (f, g) in enumerate(zip(found, self.groups)):
+            if g.window is not None:
+                last, before = -1, []
+                for j, b in enumerate(f[:longest]):
+                    before.append(last)
+                    last = j if b is None else last
+                last_missing[i] = before + [last]
+        for n in range(longest, 0, -1):
+            firsts = [self._first_visible(n, g.window) for g in self.groups]
+            if all(last_missing[i][n] < firsts[i] for i in last_missing):
+                return [[NULL_BLOCK] * first + f[first:n] for f, first in zip(found, firsts)]
         return [[] for _ in self.managers]
 
-    def _hit(self, found: list[int | None], n: int, window: int | None) -> list[int] | None:
-        """The first n blocks as a hit for a pool with this window, or None if it lacks one
-        the query at position n * block_size can see."""
-        first = 0 if window is None else max(n * self.block_size - window + 1, 0) // self.block_size
-        if any(b is None for b in found[first:n]):
-            return None
-        return [NULL_BLOCK] * first + found[first:n]
+    def _first_visible(self, n: int, window: int | None) -> int:
+        """The first block the query at position n * block_size sees in a pool."""
+        return 0 if window is None else max(n * self.block_size - window + 1, 0) // self.block_size
 
     def hit_tokens(self, hits: list[list[int]] | None) -> int:
         return len(hits[0]) * self.block_size if hits else 0
