@@ -98,10 +98,10 @@ def test_failed_step_errors_its_batch_and_the_loop_serves_the_rest(run_engine, m
     async def main(ae):
         real = ae.engine.runner.execute
 
-        def flaky(scheduled, rows, targets):
+        def flaky(scheduled, rows, targets, masks=None):
             if armed.is_set() and any(seq.token_ids[0] == POISON for seq, _ in scheduled):
                 raise RuntimeError("injected fault")
-            return real(scheduled, rows, targets)
+            return real(scheduled, rows, targets, masks)
 
         monkeypatch.setattr(ae.engine.runner, "execute", flaky)
         params = SamplingParams(max_tokens=100, ignore_eos=True)

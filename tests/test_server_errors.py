@@ -127,7 +127,7 @@ def test_server_still_serves_after_bad_requests(server):
 def test_failed_engine_step_is_a_500_and_the_server_lives_on(server, monkeypatch):
     real = server.engine.runner.execute
 
-    def broken(scheduled, rows, targets):
+    def broken(scheduled, rows, targets, masks=None):
         raise RuntimeError("injected fault")
 
     monkeypatch.setattr(server.engine.runner, "execute", broken)

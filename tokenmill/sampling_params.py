@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.structured_outputs import StructuredOutputsParams
+
 MAX_LOGPROBS = 20
 
 
@@ -47,6 +49,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | dict | None = None
     stop_strings: list[str] = field(init=False, repr=False)
     stop_token_set: frozenset[int] = field(init=False, repr=False)
 
@@ -106,6 +109,12 @@ class SamplingParams:
                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(dict.fromkeys(ids))
         self.stop_token_set = frozenset(self.stop_token_ids)  # O(1) per generated token
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_dict(self.structured_outputs)
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs must be a StructuredOutputsParams or a dict, got "
+               f"{type(self.structured_outputs).__name__}")
 
     @property
     def greedy(self) -> bool:

@@ -27,6 +27,7 @@ from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.spec_decode import SpecDecoder, measure_step_cost
 from tokenmill.engine.startup import Stopwatch
+from tokenmill.engine.structured import StructuredOutputs
 from tokenmill.layers import ops
 from tokenmill.loaders import load_model
 from tokenmill.loaders.resolve import load_tokenizer, read_model_config, resolve_model
@@ -68,6 +69,8 @@ class LLMEngine:
         self.eos_token_ids = list(
             self.tokenizer.eos_token_ids if self.tokenizer else self.model_config.eos_token_ids
         )
+        self.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                            self.eos_token_ids)
         self.kv_manager = KVCacheManager(
             list(plan.groups), config.block_size, config.enable_prefix_caching
         )
@@ -123,6 +126,7 @@ class LLMEngine:
         text, ids = self.tokenize(prompt)
         self._validate_prompt(ids)
         self._validate_params(params)
+        grammar = self.structured.check(params)
         if request_id is None:
             request_id = f"req-{self._counter}"
             self._counter += 1
@@ -133,6 +137,8 @@ class LLMEngine:
                              f"got {params.n}")
         req = Request(request_id, text, ids, params, self.tokenizer, self.eos_token_ids,
                       self.config.max_model_len, arrival_time or time.perf_counter())
+        if grammar is not None:
+            self.structured.attach(req.seqs, grammar)
         self.requests[request_id] = req
         self.scheduler.add(req.parent)
         return request_id
@@ -181,7 +187,8 @@ class LLMEngine:
         decode_only = all(s.runs_as_decode(n) for s, n in sched.scheduled)
         now = time.perf_counter()
         rows, targets = self._sample_plan(sched.scheduled, now)
-        result = self.runner.execute(sched.scheduled, rows, targets)
+        masks = self.structured.start(targets)  # computed while the model runs
+        result = self.runner.execute(sched.scheduled, rows, targets, masks)
         now = time.perf_counter()
         for seq, n in sched.scheduled:
             if seq.spec_token_ids:
@@ -206,6 +213,8 @@ class LLMEngine:
             reason = None
             for token, lp in zip(tokens, logprobs):
                 reason = req.append_token(seq, token, lp)
+                if reason is None and seq.grammar is not None:
+                    reason = self.structured.accept(seq, token)
                 if reason is not None:
                     break  # tokens after a stop are dropped
             if seq.spec_token_ids:

@@ -22,7 +22,7 @@ from tokenmill.layers.attention import AttentionContext, PrefillChunk
 from tokenmill.layers.kv_cache import KVCache
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.rejection_sampler import Span, verify
-from tokenmill.layers.sampler import Sampler, top_logprobs
+from tokenmill.layers.sampler import GrammarMasks, Sampler, top_logprobs
 from tokenmill.models.config import ModelConfig
 
 
@@ -135,9 +135,12 @@ class ModelRunner:
         scheduled: list[tuple[Sequence, int]],
         sample_rows: list[int],
         sample_seqs: list[Sequence],
+        masks=None,
     ) -> StepResult:
         """Run one step. sample_rows[j] is the scheduled entry whose last token's logits sample
-        a token for sample_seqs[j] (several entries may share a row: n > 1 forks)."""
+        a token for sample_seqs[j] (several entries may share a row: n > 1 forks). masks: the
+        structured-output masks of some sample_seqs (engine/structured.py PendingMasks), still
+        being computed."""
         input_ids, positions, ctx, starts = self.prepare(scheduled)
         hidden = self.forward(input_ids, positions, ctx)  # (tokens, hidden)
         spans = []  # per sampled sequence: its rows (a verify step has one per draft, + 1)
@@ -156,7 +159,7 @@ class ModelRunner:
             order = [where[r] for r in sample_at]
             sample_logits = logits if order == list(range(len(rows))) else logits[
                 self._tensor(order)]
-            result = self._sample(sample_logits, spans, sample_seqs)
+            result = self._sample(sample_logits, spans, sample_seqs, masks)
         for seq, positions_, first_row in plp_plan:
             lp = logits[self._tensor([where[r] for r in positions_])].log_softmax(-1)
             k = seq.params.prompt_logprobs
@@ -165,10 +168,13 @@ class ModelRunner:
             result.prompt_logprobs[seq.seq_id] = entries
         return result
 
-    def _sample(self, logits: torch.Tensor, spans: list[Span], seqs: list[Sequence]
-                ) -> StepResult:
+    def _sample(self, logits: torch.Tensor, spans: list[Span], seqs: list[Sequence],
+                masks=None) -> StepResult:
         if not any(s.drafts for s in spans):  # one row, one token per sequence
-            out = self.sampler(logits, sampling_metadata(seqs, self.eos_ids, self.device))
+            meta = sampling_metadata(seqs, self.eos_ids, self.device)
+            if masks is not None:
+                meta.grammar = GrammarMasks(masks.indices, masks.bitmask())
+            out = self.sampler(logits, meta)
             return StepResult([[t] for t in out.token_ids], [[lp] for lp in out.logprobs],
                               [0] * len(seqs))
         row_seqs, offsets, rebased = [], [], []
@@ -177,6 +183,9 @@ class ModelRunner:
             row_seqs += [seq] * (len(span.drafts) + 1)
             offsets += range(len(span.drafts) + 1)
         meta = sampling_metadata(row_seqs, self.eos_ids, self.device, offsets)
+        if masks is not None:  # constrained sequences have no drafts: one row each
+            meta.grammar = GrammarMasks([rebased[j].first for j in masks.indices],
+                                        masks.bitmask())
         out = verify(self.sampler, logits, meta, rebased)
         return StepResult(out.token_ids, out.logprobs, out.num_accepted)
 

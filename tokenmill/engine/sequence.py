@@ -55,6 +55,7 @@ class Sequence:
         self.prompt_logprobs: list = []
         self.spec_token_ids: list[int] = []  # drafted for this step, verified by it
         self.spec_draft_probs = None  # (drafts, vocab) draft-model probabilities, or None
+        self.grammar = None  # structured outputs: this sequence's llguidance matcher
 
     def __repr__(self) -> str:
         return (

@@ -39,7 +39,7 @@ class SpecDecoder:
         limit = self.config.disable_by_batch_size
         if limit is not None and len(running) > limit:
             return
-        decoding = [s for s in running if s.is_decoding]
+        decoding = [s for s in running if s.is_decoding and s.grammar is None]
         base_rows = len(decoding) + sum(s.num_uncomputed_tokens for s in running
                                         if not s.is_decoding)
         if not self.planner.worthwhile(base_rows):

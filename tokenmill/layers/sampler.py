@@ -31,6 +31,24 @@ class Penalties:
 
 
 @dataclass
+class GrammarMasks:
+    """Row rows[k] may only take the tokens whose bit is set in bitmask[k] (int32 words, bit t
+    of the row is token t: llguidance's layout); tokens beyond the bitmask are not allowed."""
+
+    rows: list[int]
+    bitmask: torch.Tensor  # (len(rows), ceil(vocab / 32)) int32
+
+    def allowed(self, vocab: int) -> torch.Tensor:
+        """(len(rows), vocab) bool."""
+        bits = torch.arange(32, dtype=torch.int32, device=self.bitmask.device)
+        unpacked = ((self.bitmask.unsqueeze(-1) >> bits) & 1).bool().view(len(self.rows), -1)
+        keep = torch.zeros(len(self.rows), vocab, dtype=torch.bool)
+        width = min(vocab, unpacked.shape[1])
+        keep[:, :width] = unpacked[:, :width]
+        return keep
+
+
+@dataclass
 class SamplingMetadata:
     """Per row of logits: how to sample it. temperature 0 = greedy."""
 
@@ -42,6 +60,7 @@ class SamplingMetadata:
     banned: list[list[int]] = field(default_factory=list)  # per row, masked (min_tokens)
     penalties: list[Penalties | None] = field(default_factory=list)
     logprobs: list[int | None] = field(default_factory=list)  # top-k logprobs wanted, or None
+    grammar: GrammarMasks | None = None  # structured outputs: the tokens some rows may take
 
     def __len__(self) -> int:
         return len(self.temperatures)
@@ -60,6 +79,23 @@ def apply_banned(logits: torch.Tensor, banned: list[list[int]]) -> None:
     if rows:
         logits[torch.tensor(rows, device=logits.device),
                torch.tensor(cols, device=logits.device)] = -float("inf")
+
+
+def apply_grammar(logits: torch.Tensor, raw: torch.Tensor, grammar: GrammarMasks) -> None:
+    """Mask what each constrained row's grammar forbids, in place. Where the grammar allows
+    only tokens min_tokens bans (the grammar is complete: only EOS is left), the grammar wins:
+    the row is the raw logits, masked."""
+    index = torch.tensor(grammar.rows, device=logits.device)
+    keep = grammar.allowed(logits.shape[1]).to(logits.device)
+    masked = logits[index].masked_fill(~keep, -float("inf"))
+    dead = torch.isinf(masked).all(-1)
+    if bool(dead.any()):
+        masked[dead] = raw[index[dead]].masked_fill(~keep[dead], -float("inf"))
+        # A matcher in an error state allows nothing: leave the row as it was (the engine
+        # stops the sequence when its token does not match).
+        still = torch.isinf(masked).all(-1)
+        masked[still] = logits[index[still]]
+    logits[index] = masked
 
 
 def apply_penalties(logits: torch.Tensor, penalties: list[Penalties | None]) -> None:
@@ -148,11 +184,16 @@ class Sampler:
 
     @staticmethod
     def processed(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """min_tokens bans and penalties applied (a copy; the caller's logits stay)."""
-        if any(meta.banned) or any(p is not None for p in meta.penalties):
+        """min_tokens bans, penalties and grammar masks applied (a copy; the caller's logits
+        stay)."""
+        raw = logits
+        if any(meta.banned) or any(p is not None for p in meta.penalties) \
+                or meta.grammar is not None:
             logits = logits.clone()
             apply_banned(logits, meta.banned)
             apply_penalties(logits, meta.penalties)
+        if meta.grammar is not None:
+            apply_grammar(logits, raw, meta.grammar)
         return logits
 
     @staticmethod
