@@ -25,14 +25,15 @@ def has_special_text(tok: Tokenizer, messages: list[dict]) -> bool:
 
 
 def encode_chat(tok: Tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                allow_special_in_content: bool = False) -> list[int]:
-    """Token ids of the rendered chat prompt (no BOS added: the template holds it)."""
-    text = tok.apply_chat_template(messages, add_generation_prompt)
+                allow_special_in_content: bool = False, **template_kwargs) -> list[int]:
+    """Token ids of the rendered chat prompt (no BOS added: the template holds it);
+    template_kwargs are more variables for the template (e.g. enable_thinking)."""
+    text = tok.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
     if allow_special_in_content or not has_special_text(tok, messages):
         return tok.encode(text, add_special_tokens=False)
     marked = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]
     masked = [{**m, "content": _mark(i)} if i in marked else m for i, m in enumerate(messages)]
-    rest = tok.apply_chat_template(masked, add_generation_prompt)
+    rest = tok.apply_chat_template(masked, add_generation_prompt, **template_kwargs)
     ids: list[int] = []
     for i in marked:
         before, found, rest = rest.partition(_mark(i))

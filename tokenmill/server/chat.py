@@ -1,5 +1,6 @@
 """POST /v1/chat/completions: messages rendered with the model's chat template, n assistant
-replies, as one JSON response or as Server-Sent Events (role first, then content deltas)."""
+replies, as one JSON response or as Server-Sent Events (role first, then content deltas).
+With tools, calls in the reply come back as tool_calls (tool_prompt.py, tool_parser.py)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ from tokenmill.server.streaming import (
     sse,
     until_disconnect,
 )
+from tokenmill.server.structured import structured_outputs
+from tokenmill.server.tool_parser import ToolCallStream, parse_tool_calls
+from tokenmill.server.tool_prompt import (
+    ToolPlan,
+    constraint,
+    plan_tools,
+    prompt_messages,
+    template_takes_tools,
+)
 
 
 def _messages(req: ChatCompletionRequest) -> list[dict]:
@@ -44,21 +54,30 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
                 raise APIError(400, "only text content parts are supported",
                                param=f"messages.{i}.content")
             content = "".join(part.text or "" for part in content)
-        messages.append({"role": m.role, "content": content or ""})
+        message = {"role": m.role, "content": content or ""}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
     return messages
 
 
-def _prompt(req: ChatCompletionRequest, model: ServedModel) -> dict:
+def _prompt(req: ChatCompletionRequest, model: ServedModel, tools: ToolPlan | None) -> dict:
     tok = model.tokenizer
     if tok is None or not tok.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions",
                        param="messages")
-    messages = _messages(req)
+    messages = prompt_messages(_messages(req), tools, tok.chat_template)
+    extra = ({"tools": tools.tools} if tools is not None and tools.in_prompt
+             and template_takes_tools(tok.chat_template) else {})
     model.check_text_size(sum(len(m["content"]) for m in messages), "messages")
     model.check_unicode(messages, "messages")
     try:
         ids = encode_chat(tok, messages, req.add_generation_prompt,
-                          model.limits.allow_special_in_content)
+                          model.limits.allow_special_in_content, **extra)
     except ValueError as e:
         raise bad_request(e, param="messages") from e
     return {"prompt_token_ids": ids}
@@ -66,11 +85,6 @@ def _prompt(req: ChatCompletionRequest, model: ServedModel) -> dict:
 
 def _check_supported(req: ChatCompletionRequest) -> int | None:
     """The engine's logprobs count for this request (None: no logprobs)."""
-    if req.tools:
-        raise APIError(400, "tools are not supported by this server", param="tools")
-    if req.response_format and req.response_format.get("type") != "text":
-        raise APIError(400, "only response_format {'type': 'text'} is supported",
-                       param="response_format")
     if req.logit_bias:
         raise APIError(400, "logit_bias is not supported by this server", param="logit_bias")
     if req.top_logprobs is not None and not req.logprobs:
@@ -89,35 +103,52 @@ async def create_chat_completion(req: ChatCompletionRequest, model: ServedModel,
     max_tokens = (req.max_completion_tokens if req.max_completion_tokens is not None
                   else req.max_tokens)
     model.limits.check(req)
-    prompt = await asyncio.to_thread(_prompt, req, model)  # the event loop runs on meanwhile
+    tools = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    output_constraint, constraint_param = structured_outputs(req)
+    if constraint(tools) is not None:
+        if output_constraint is not None:
+            raise APIError(400, f"tool_choice {tools.choice!r} constrains the output; it "
+                                f"cannot be combined with {constraint_param}",
+                           param=constraint_param)
+        output_constraint, constraint_param = constraint(tools), "tools"
+    prompt = await asyncio.to_thread(_prompt, req, model, tools)  # the loop runs on meanwhile
     model.check_length(prompt, max_tokens, "messages")
-    params = sampling_params(req, max_tokens, logprobs)
+    params = sampling_params(req, max_tokens, logprobs, output_constraint)
     rid, created = random_id("chatcmpl"), int(time.time())
-    stream = await model.start([prompt], params, rid, arrival)
+    stream = await model.start([prompt], params, rid, arrival, constraint_param)
+    parse = tools is not None and tools.choice != "none"
     if req.stream:
-        return EventStreamResponse(_events(stream, req, model.name, rid, created))
+        return EventStreamResponse(_events(stream, req, model.name, rid, created, parse))
     try:
         outputs = await until_disconnect(raw.receive, collect(stream))
     except ClientDisconnected:
         return Response(status_code=499)
-    choices = [
-        ChatChoice(index=c.index, message=AssistantMessage(content=c.text),
-                   finish_reason=c.finish_reason,
-                   logprobs=chat_logprobs(c, logprobs) if logprobs is not None else None)
-        for c in outputs[0].outputs
-    ]
+    choices = []
+    for c in outputs[0].outputs:
+        content, calls = parse_tool_calls(c.text) if parse else (c.text, [])
+        finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+        choices.append(ChatChoice(
+            index=c.index, message=AssistantMessage(content=content, tool_calls=calls or None),
+            finish_reason=finish,
+            logprobs=chat_logprobs(c, logprobs) if logprobs is not None else None))
     body = ChatCompletionResponse(id=rid, created=created, model=model.name, choices=choices,
                                   usage=usage(outputs))
     return JSONResponse(body.model_dump())
 
 
-def _choices(out: RequestOutput, req: ChatCompletionRequest,
-             finished: set[int]) -> list[ChatStreamChoice]:
+def _choices(out: RequestOutput, req: ChatCompletionRequest, finished: set[int],
+             tool_streams: dict[int, ToolCallStream] | None) -> list[ChatStreamChoice]:
     choices = []
     for c in out.outputs:
         finishing = c.finish_reason is not None and c.index not in finished
+        text, calls, finish = c.delta_text, None, c.finish_reason
+        if tool_streams is not None:
+            parser = tool_streams.setdefault(c.index, ToolCallStream())
+            text, calls = parser.feed(c.delta_text, final=finishing)
+            if parser.calls and finish == "stop":
+                finish = "tool_calls"
         wants_logprobs = req.logprobs and c.delta_token_ids
-        if not (c.delta_text or finishing or wants_logprobs):
+        if not (text or calls or finishing or wants_logprobs):
             continue
         logprobs = None
         if req.logprobs:
@@ -125,26 +156,27 @@ def _choices(out: RequestOutput, req: ChatCompletionRequest,
             logprobs = chat_logprobs(c, req.top_logprobs or 0, start)
         if finishing:
             finished.add(c.index)
-        choices.append(ChatStreamChoice(index=c.index,
-                                        delta=DeltaMessage(content=c.delta_text or None),
-                                        logprobs=logprobs, finish_reason=c.finish_reason))
+        choices.append(ChatStreamChoice(
+            index=c.index, delta=DeltaMessage(content=text or None, tool_calls=calls or None),
+            logprobs=logprobs, finish_reason=finish))
     return choices
 
 
 async def _events(stream: RequestStream, req: ChatCompletionRequest, model: str, rid: str,
-                  created: int) -> AsyncGenerator[str, None]:
+                  created: int, parse_tools: bool = False) -> AsyncGenerator[str, None]:
     def chunk(choices, usage_=None) -> str:
         return sse(ChatCompletionChunk(id=rid, created=created, model=model, choices=choices,
                                        usage=usage_).model_dump())
 
     finished: set[int] = set()
+    tool_streams = {} if parse_tools else None
     last = None
     try:
         yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
         async for out in stream:
             last = out
-            choices = _choices(out, req, finished)
+            choices = _choices(out, req, finished, tool_streams)
             if choices:
                 yield chunk(choices)
         if req.include_usage and last is not None:

@@ -27,6 +27,7 @@ from tokenmill.server.streaming import (
     sse,
     until_disconnect,
 )
+from tokenmill.server.structured import structured_outputs
 
 
 def _prompts(req: CompletionRequest, model: ServedModel) -> list[dict]:
@@ -60,9 +61,10 @@ async def create_completion(req: CompletionRequest, model: ServedModel, raw: Req
     prompts = await asyncio.to_thread(_prompts, req, model)  # the event loop runs on meanwhile
     for prompt in prompts:
         model.check_length(prompt, req.max_tokens, "prompt")
-    params = sampling_params(req, req.max_tokens, req.logprobs)
+    constraint, constraint_param = structured_outputs(req)
+    params = sampling_params(req, req.max_tokens, req.logprobs, constraint)
     rid, created = random_id("cmpl"), int(time.time())
-    stream = await model.start(prompts, params, rid, arrival)
+    stream = await model.start(prompts, params, rid, arrival, constraint_param)
     if req.stream:
         return EventStreamResponse(_events(stream, req, model.name, rid, created))
     try:

@@ -72,16 +72,25 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     logit_bias: dict[str, float] | None = None
+    # Output constraints (server/structured.py): OpenAI's, vLLM's, and vLLM's older names.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        structured_outputs=None) -> SamplingParams:
         """SamplingParams from the fields that were sent (None keeps the engine's default);
         raises SamplingParams' ValueError, which names the bad parameter."""
         kwargs = {k: getattr(self, k) for k in _SAMPLING_FIELDS if getattr(self, k) is not None}
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs,
+                              structured_outputs=structured_outputs, **kwargs)
 
 
 class CompletionRequest(SamplingRequest):
@@ -102,6 +111,8 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # role "tool": the call this answers
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -111,7 +122,8 @@ class ChatCompletionRequest(SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None
-    response_format: dict | None = None
+    tool_choice: str | dict | None = None  # "auto" (default with tools), "none", "required", named
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True  # vLLM extension
 
 
@@ -166,9 +178,28 @@ class CompletionResponse(OpenAIModel):
 
 
 # ---- chat responses ---------------------------------------------------------------------------
+class FunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None  # JSON text
+
+
+class ToolCall(OpenAIModel):
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(OpenAIModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+
 class AssistantMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(OpenAIModel):
@@ -190,6 +221,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler) -> dict:

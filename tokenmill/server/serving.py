@@ -99,7 +99,9 @@ class ServedModel:
                            param="max_tokens")
 
     async def start(self, prompts: list[dict], params: SamplingParams, request_id: str,
-                    arrival_time: float) -> RequestStream:
+                    arrival_time: float, constraint_param: str | None = None) -> RequestStream:
+        """Start the engine requests. constraint_param: the request field the output
+        constraint came from, named when the engine cannot compile it."""
         try:
             return await self.engine.add(prompts, params, request_id, arrival_time)
         except QueueFullError as e:
@@ -107,6 +109,8 @@ class ServedModel:
         except EngineClosedError as e:
             raise APIError(503, str(e)) from e
         except ValueError as e:
+            if constraint_param and str(e).startswith("structured_outputs"):
+                raise APIError(400, f"{constraint_param}: {e}", param=constraint_param) from e
             raise bad_request(e, default_param="prompt") from e
 
 
@@ -120,9 +124,9 @@ def _check_unicode(text: str, param: str) -> None:
 
 
 def sampling_params(req: SamplingRequest, max_tokens: int | None,
-                    logprobs: int | None) -> SamplingParams:
+                    logprobs: int | None, structured_outputs=None) -> SamplingParams:
     try:
-        return req.sampling_params(max_tokens, logprobs)
+        return req.sampling_params(max_tokens, logprobs, structured_outputs)
     except ValueError as e:
         raise bad_request(e) from e
 
