@@ -1,4 +1,4 @@
-"""Command line: tokenmill generate | chat | serve | bench | kv-memory | pull | list.
+"""Command line: tokenmill generate | chat | serve | bench | kv-memory | tokenize | pull | list.
 
 Each subcommand lives in its own module with add_parser(subparsers) and run(args); heavy
 imports (torch, fastapi) happen inside run(), so `tokenmill --help` stays fast.
@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": "tokenmill.server.cli",
     "bench": "tokenmill.bench.cli",
     "kv-memory": "tokenmill.commands.kv_memory",
+    "tokenize": "tokenmill.commands.tokenize",
     "pull": "tokenmill.commands.hub",
     "list": "tokenmill.commands.hub",
 }

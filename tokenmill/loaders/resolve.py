@@ -22,13 +22,14 @@ def resolve_model(name_or_path: str) -> str:
     )
 
 
-def load_tokenizer(path: str, model_config: ModelConfig) -> Tokenizer | None:
+def load_tokenizer(path: str, model_config: ModelConfig | None = None) -> Tokenizer | None:
     """The tokenizer at path: a model folder, a tokenizer.json, a .gguf file (its metadata), a
     llama2.c tokenizer .bin, or for a llama2.c checkpoint the tokenizer file beside it. None
-    when there is none."""
+    when there is none. model_config adds the model's end-of-turn ids and a GGUF family's chat
+    template; without it only the tokenizer's own files are read (tokenmill tokenize)."""
     if os.path.isdir(path):
         tok = Tokenizer.from_folder(path)
-        if tok is not None:  # generation_config.json may add more end-of-turn ids
+        if tok is not None and model_config:  # generation_config.json may add end-of-turn ids
             tok.eos_token_ids += [t for t in model_config.eos_token_ids
                                   if t not in tok.eos_token_ids]
         return tok
@@ -40,14 +41,15 @@ def load_tokenizer(path: str, model_config: ModelConfig) -> Tokenizer | None:
         from tokenmill.loaders.gguf_tokenizer import load_gguf_tokenizer
 
         tok = load_gguf_tokenizer(path)
-        if tok is not None and not tok.chat_template:  # the family's own, as llama.cpp does
-            tok.chat_template = model_config.chat_template
+        if tok is not None and not tok.chat_template and model_config:
+            tok.chat_template = model_config.chat_template  # the family's own, as llama.cpp does
         return tok
     from tokenmill.loaders.llama2c import is_llama2c_checkpoint
     from tokenmill.loaders.llama2c_tokenizer import load_llama2c_tokenizer
 
     if is_llama2c_checkpoint(path):
-        sibling = _llama2c_tokenizer_next_to(path, model_config.vocab_size)
+        vocab_size = (model_config or read_model_config(path)).vocab_size
+        sibling = _llama2c_tokenizer_next_to(path, vocab_size)
         return load_llama2c_tokenizer(sibling) if sibling else None
     return load_llama2c_tokenizer(path)
 

@@ -26,6 +26,7 @@ from tokenmill.server.protocol import (
     ModelList,
 )
 from tokenmill.server.serving import RequestLimits, ServedModel
+from tokenmill.server.tokenize import tokenize_routes
 
 
 def create_app(
@@ -60,6 +61,7 @@ def create_app(
     if api_key:  # added last: runs first
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.include_router(_v1_routes(model))
+    app.include_router(tokenize_routes(model))  # /tokenize, /detokenize as vLLM
     app.openapi = lambda: _openapi(app)
 
     @app.get("/health")

@@ -26,7 +26,7 @@ def check_authorization(header: str | None, api_key: str) -> APIError | None:
 class APIKeyMiddleware:
     # the API and its description (FastAPI's /docs, /redoc, /openapi.json); /health and
     # /metrics stay open for probes and scrapers
-    GUARDED = ("/v1", "/docs", "/redoc", "/openapi.json")
+    GUARDED = ("/v1", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 
     def __init__(self, app: ASGIApp, api_key: str, prefix: tuple[str, ...] = GUARDED) -> None:
         self.app = app
