@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -32,10 +33,14 @@ class PendingMasks:
 
     indices: list[int]  # positions in the step's list of sampled sequences
     future: Future
+    owner: StructuredOutputs
 
     def bitmask(self) -> torch.Tensor:
         """(len(indices), ceil(vocab / 32)) int32: bit t of a row allows token t."""
-        return self.future.result()
+        start = time.perf_counter()
+        result = self.future.result()
+        self.owner.wait_seconds += time.perf_counter() - start
+        return result
 
 
 class StructuredOutputs:
@@ -45,6 +50,9 @@ class StructuredOutputs:
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self._pool: ThreadPoolExecutor | None = None
+        # what the masks cost: rows computed, seconds computing them (on the worker thread),
+        # seconds the sampler waited for them (the part the forward pass did not hide)
+        self.mask_rows, self.mask_seconds, self.wait_seconds = 0, 0.0, 0.0
 
     @functools.cached_property
     def _llg(self):
@@ -88,13 +96,16 @@ class StructuredOutputs:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-grammar")
 
         def fill() -> torch.Tensor:
+            start = time.perf_counter()
             bitmask = torch.full((len(indices), (tok.vocab_size + 31) // 32), -1,
                                  dtype=torch.int32)
             executor.unsafe_compute_mask_ptr(matchers, bitmask.data_ptr(),
                                              bitmask.shape[1] * 4, len(indices))
+            self.mask_rows += len(indices)
+            self.mask_seconds += time.perf_counter() - start
             return bitmask
 
-        return PendingMasks(indices, self._pool.submit(fill))
+        return PendingMasks(indices, self._pool.submit(fill), self)
 
     @staticmethod
     def accept(seq: Sequence, token_id: int) -> str | None:

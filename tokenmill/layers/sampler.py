@@ -38,14 +38,19 @@ class GrammarMasks:
     rows: list[int]
     bitmask: torch.Tensor  # (len(rows), ceil(vocab / 32)) int32
 
-    def allowed(self, vocab: int) -> torch.Tensor:
-        """(len(rows), vocab) bool."""
-        bits = torch.arange(32, dtype=torch.int32, device=self.bitmask.device)
-        unpacked = ((self.bitmask.unsqueeze(-1) >> bits) & 1).bool().view(len(self.rows), -1)
-        keep = torch.zeros(len(self.rows), vocab, dtype=torch.bool)
-        width = min(vocab, unpacked.shape[1])
-        keep[:, :width] = unpacked[:, :width]
-        return keep
+    def forbidden(self, vocab: int) -> torch.Tensor:
+        """(len(rows), vocab) bool: True where the token is not allowed. One table lookup
+        per byte (the words are little-endian, so byte k holds tokens 8k .. 8k+7)."""
+        table = _FORBIDDEN.to(self.bitmask.device)
+        unpacked = table[self.bitmask.view(torch.uint8).long()].view(len(self.rows), -1)
+        if unpacked.shape[1] >= vocab:
+            return unpacked[:, :vocab]
+        out = torch.ones(len(self.rows), vocab, dtype=torch.bool)
+        out[:, :unpacked.shape[1]] = unpacked
+        return out
+
+
+_FORBIDDEN = ((torch.arange(256)[:, None] >> torch.arange(8)) & 1) == 0  # (byte, bit)
 
 
 @dataclass
@@ -86,11 +91,11 @@ def apply_grammar(logits: torch.Tensor, raw: torch.Tensor, grammar: GrammarMasks
     only tokens min_tokens bans (the grammar is complete: only EOS is left), the grammar wins:
     the row is the raw logits, masked."""
     index = torch.tensor(grammar.rows, device=logits.device)
-    keep = grammar.allowed(logits.shape[1]).to(logits.device)
-    masked = logits[index].masked_fill(~keep, -float("inf"))
-    dead = torch.isinf(masked).all(-1)
+    forbidden = grammar.forbidden(logits.shape[1]).to(logits.device)
+    masked = logits[index].masked_fill_(forbidden, -float("inf"))
+    dead = masked.amax(-1) == -float("inf")
     if bool(dead.any()):
-        masked[dead] = raw[index[dead]].masked_fill(~keep[dead], -float("inf"))
+        masked[dead] = raw[index[dead]].masked_fill(forbidden[dead], -float("inf"))
         # A matcher in an error state allows nothing: leave the row as it was (the engine
         # stops the sequence when its token does not match).
         still = torch.isinf(masked).all(-1)
