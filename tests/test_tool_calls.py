@@ -156,3 +156,25 @@ def test_errors(client, kw, param):
         client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}],
                                        **kw)
     assert e.value.body["param"] == param
+
+
+def test_a_template_that_takes_tools_renders_them(make_server):
+    server = make_server()
+    tok = server.engine.tokenizer
+    template = ("{% for t in tools %}[{{ t.function.name }}]{% endfor %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                "{% for c in m.tool_calls or [] %}{{ c.function.name }}"
+                "({{ c.function.arguments.a }}){% endfor %}{% endfor %}")
+    expected = "[get_weather][add]<user>2 + 2?<assistant>add(2)<tool>4"
+    original, tok.chat_template = tok.chat_template, template
+    try:
+        with openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as c:
+            r = c.chat.completions.create(model="tiny", max_tokens=1, tools=TOOLS, messages=[
+                {"role": "user", "content": "2 + 2?"},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "add", "arguments": '{"a": 2, "b": 2}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "4"}])
+    finally:
+        tok.chat_template = original
+    assert r.usage.prompt_tokens == len(tok.encode(expected, add_special_tokens=False))
