@@ -27,6 +27,7 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.serving import RequestLimits, ServedModel
 from tokenmill.server.tokenize import tokenize_routes
+from tokenmill.server.webchat import web_chat_routes
 
 
 def create_app(
@@ -62,6 +63,7 @@ def create_app(
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.include_router(_v1_routes(model))
     app.include_router(tokenize_routes(model))  # /tokenize, /detokenize as vLLM
+    app.include_router(web_chat_routes())  # the chat page at /
     app.openapi = lambda: _openapi(app)
 
     @app.get("/health")

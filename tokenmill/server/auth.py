@@ -25,7 +25,8 @@ def check_authorization(header: str | None, api_key: str) -> APIError | None:
 
 class APIKeyMiddleware:
     # the API and its description (FastAPI's /docs, /redoc, /openapi.json); /health and
-    # /metrics stay open for probes and scrapers
+    # /metrics stay open for probes and scrapers, the static chat page (/ and /static/, see
+    # webchat.py) for browsers: its JS sends the key it is given
     GUARDED = ("/v1", "/tokenize", "/detokenize", "/docs", "/redoc", "/openapi.json")
 
     def __init__(self, app: ASGIApp, api_key: str, prefix: tuple[str, ...] = GUARDED) -> None:
