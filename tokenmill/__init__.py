@@ -10,6 +10,7 @@ import importlib
 _EXPORTS = {
     "LLM": "tokenmill.llm",
     "SamplingParams": "tokenmill.sampling_params",
+    "StructuredOutputsParams": "tokenmill.structured_outputs",
     "EngineConfig": "tokenmill.config",
     "RequestOutput": "tokenmill.outputs",
     "CompletionOutput": "tokenmill.outputs",

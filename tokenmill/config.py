@@ -51,6 +51,28 @@ class EngineConfig:
     # speculative decoding, as vLLM's: {"method": "ngram", "num_speculative_tokens": 4, ...},
     # {"model": PATH, "num_speculative_tokens": 4}, a JSON string of either, or None
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # tensor parallelism over torch.distributed (distributed/): ranks, and for several nodes
+    # the rendezvous (master_port None: a free port, on one node only)
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+
+    @property
+    def parallel(self):
+        """The ParallelConfig of these fields (distributed/group.py)."""
+        from tokenmill.distributed.group import ParallelConfig
+
+        port = self.master_port
+        if port is None:
+            import socket
+
+            with socket.socket() as s:  # one node: any free loopback port
+                s.bind((self.master_addr, 0))
+                port = s.getsockname()[1]
+        return ParallelConfig(self.tensor_parallel_size, self.nnodes, self.node_rank,
+                              self.master_addr, port)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config",
@@ -73,6 +95,12 @@ class EngineConfig:
         _positive("block_size", self.block_size, allow_none=False)
         _positive("kv_cache_memory", self.kv_cache_memory)
         _positive("num_threads", self.num_threads)
+        if self.nnodes > 1 and self.master_port is None:
+            raise ValueError("several nodes need a master_port every node can reach")
+        from tokenmill.distributed.group import ParallelConfig
+
+        ParallelConfig(self.tensor_parallel_size, self.nnodes, self.node_rank,
+                       self.master_addr, self.master_port or 1)  # raises on bad values
         if self.block_size > 1024:
             raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
         if self.deterministic and self.kv_cache_dtype != "auto":

@@ -183,6 +183,7 @@ class AsyncEngine:
             idle = not self.engine.has_unfinished_requests()
             if not self._drain(block=idle):
                 self._close_all()
+                getattr(self.engine, "close", lambda: None)()  # TP ranks: told on this thread
                 return
             self.stats = self.engine.stats()
             if self.engine.has_unfinished_requests():

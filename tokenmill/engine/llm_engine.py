@@ -53,13 +53,18 @@ class LLMEngine:
         backend = ops.select(config.use_kernels, self.device, config.deterministic)
         clock.lap("kernel library")
         rss_before_weights = rss()
-        model, self.model_config, self.dtype = load_model(
-            path, config.dtype, self.device, config.max_model_len, backend, config.quantization
-        )
+        self.tp = None
+        if config.tensor_parallel_size > 1:
+            model, self.model_config, self.dtype, plan = self._load_sharded(path, backend, config)
+        else:
+            model, self.model_config, self.dtype = load_model(
+                path, config.dtype, self.device, config.max_model_len, backend,
+                config.quantization)
+            plan = None
         clock.lap("weights")
         self.tokenizer = load_tokenizer(config.tokenizer or path, self.model_config)
         clock.lap("tokenizer")
-        plan = plan_kv_cache(config, self.model_config, self.dtype, self.device)
+        plan = plan or plan_kv_cache(config, self.model_config, self.dtype, self.device)
         self.config = config = replace(
             config, max_model_len=plan.max_model_len,
             max_num_batched_tokens=plan.max_num_batched_tokens,
@@ -80,9 +85,11 @@ class LLMEngine:
             config.enable_chunked_prefill,
         )
         self.runner = ModelRunner(
-            model, self.model_config, plan.groups, config.block_size, plan.kv_dtype,
-            self.device, config.seed, self.eos_token_ids, backend,
+            model, self.tp.group.shard.local if self.tp else self.model_config, plan.groups,
+            config.block_size, plan.kv_dtype, self.device, config.seed, self.eos_token_ids,
+            backend,
         )
+        self.runner.tp_driver = self.tp
         clock.lap("kv cache")
         self.runner.prepare_weights()
         if self.device.type == "cpu":
@@ -105,6 +112,26 @@ class LLMEngine:
         logger.info(self.memory.describe())
         self.requests: dict[str, Request] = {}
         self._counter = 0
+
+    def _load_sharded(self, path: str, backend, config: EngineConfig):
+        """Rank 0's shard; the other ranks (started here) load theirs at the same time. The
+        KV cache plan is made here, from the whole model, and shared."""
+        from tokenmill.distributed.executor import TPDriver
+        from tokenmill.distributed.sharding import local_config
+        from tokenmill.distributed.worker import Setup, load_shard
+        from tokenmill.loaders import resolve_dtype
+
+        model_config = read_model_config(path)
+        local_config(model_config, config.tensor_parallel_size)  # refuse before spawning
+        with ops.building(backend):  # resolve_dtype asks which op implementation builds
+            dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
+        plan = plan_kv_cache(config, model_config, dtype, self.device)
+        setup = Setup(path, model_config, plan.groups, plan.kv_dtype, config.max_model_len)
+        self.tp = TPDriver(config, config.parallel, self.device)
+        self.tp.setup(setup)
+        model, dtype = load_shard(self.tp.group, config, setup, self.device, backend)
+        self.tp.ready()
+        return model, model_config, dtype, plan
 
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
@@ -175,6 +202,11 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (also done at exit)."""
+        if self.tp is not None:
+            self.tp.shutdown()
 
     # ---- the step ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -278,8 +310,7 @@ class LLMEngine:
                 if not self.kv_manager.can_allocate(seq, n):
                     raise RuntimeError("not enough free KV blocks to score this sequence")
                 self.kv_manager.allocate(seq, n)
-                input_ids, positions, ctx, _ = self.runner.prepare([(seq, n)])
-                logits.append(self.runner.logits(self.runner.forward(input_ids, positions, ctx)))
+                logits.append(self.runner.run([(seq, n)], range(n)))
                 seq.num_computed_tokens += n
                 self.kv_manager.commit(seq)
         finally:

@@ -59,6 +59,7 @@ class ModelRunner:
         self.kv_cache = self.kv_caches[0]
         self.eos_ids = list(eos_ids)
         self.sampler = Sampler(device, seed, self.ops)
+        self.tp_driver = None  # distributed/executor.py TPDriver: ranks to tell each step
 
     def prepare_weights(self) -> None:
         """Pack every linear layer's weight (and plan its GEMMs and prefill attention) now, not
@@ -126,6 +127,16 @@ class ModelRunner:
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)
 
+    def run(self, scheduled, rows, prepared=None) -> torch.Tensor | None:
+        """The forward pass of a step and the logits of the packed rows `rows` (None if
+        there are none). Under tensor parallelism the step plan goes to every rank first, and
+        each runs this same call on its shard."""
+        if self.tp_driver is not None:
+            self.tp_driver.step(scheduled, list(rows))
+        input_ids, positions, ctx, _ = prepared or self.prepare(scheduled)
+        hidden = self.forward(input_ids, positions, ctx)
+        return self.logits(hidden[self._tensor(list(rows))]) if len(rows) else None
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)
 
@@ -141,8 +152,8 @@ class ModelRunner:
         a token for sample_seqs[j] (several entries may share a row: n > 1 forks). masks: the
         structured-output masks of some sample_seqs (engine/structured.py PendingMasks), still
         being computed."""
-        input_ids, positions, ctx, starts = self.prepare(scheduled)
-        hidden = self.forward(input_ids, positions, ctx)  # (tokens, hidden)
+        prepared = self.prepare(scheduled)
+        starts = prepared[3]
         spans = []  # per sampled sequence: its rows (a verify step has one per draft, + 1)
         for i, seq in zip(sample_rows, sample_seqs):
             owner, n = scheduled[i]
@@ -153,7 +164,7 @@ class ModelRunner:
         plp_rows, plp_plan = self._prompt_logprob_rows(scheduled, starts)
         rows = sorted(set(sample_at) | set(plp_rows))
         where = {r: k for k, r in enumerate(rows)}
-        logits = self.logits(hidden[self._tensor(rows)]) if rows else None
+        logits = self.run(scheduled, rows, prepared)
         result = StepResult([], [])
         if sample_seqs:  # rows in sampling order (no copy when they already are)
             order = [where[r] for r in sample_at]

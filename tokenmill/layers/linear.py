@@ -43,6 +43,9 @@ class Linear(nn.Module):
         self.input_perm: torch.Tensor | None = None  # input columns' order (act-order GPTQ)
         self._shards: dict = {}  # checkpoint parts received while a quantized weight assembles
         self._prepared: tuple[tuple, object] | None = None
+        # tensor parallelism (distributed/parallelize.py): (group, "reduce", None) sums the
+        # ranks' partial outputs; (group, "gather", vocab) concatenates their vocabulary slices
+        self.tp: tuple | None = None
 
     def shard(self, index: int) -> slice:
         """Output rows of the index-th fused projection."""
@@ -91,7 +94,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
-        return self.ops.linear(x, self, out_fp32)
+        out = self.ops.linear(x, self, out_fp32)
+        if self.tp is None:
+            return out
+        group, mode, vocab = self.tp
+        return group.all_reduce(out) if mode == "reduce" else group.all_gather(out)[..., :vocab]
 
 
 class Embedding(nn.Embedding):
@@ -102,6 +109,7 @@ class Embedding(nn.Embedding):
     def __init__(self, num: int, dim: int) -> None:
         super().__init__(num, dim, _weight=torch.empty(num, dim))
         self.ops = ops.current()
+        self.tp: tuple | None = None  # (group, first row, end): this rank's vocabulary rows
 
     def takes_quantized(self, tensor) -> bool:
         return isinstance(tensor, BlockQuant)
@@ -110,6 +118,14 @@ class Embedding(nn.Embedding):
         set_quantized(self, tensor)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return self._lookup(ids)
+        group, start, end = self.tp  # ids outside this rank's rows: zeros, summed in by others
+        outside = (ids < start) | (ids >= end)
+        rows = self._lookup((ids - start).masked_fill(outside, 0))
+        return group.all_reduce(rows.masked_fill_(outside[..., None], 0))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         q = quant_of(self.weight)
         if q is None:
             return super().forward(ids)

@@ -39,7 +39,11 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     """Instantiate the architecture without initializing weights: built on the meta device,
     then given uninitialized storage (torch.empty, not Module.to_empty: on meta tensors that
     runs PyTorch's Python decompositions, whose first use imports ~1 s of sympy)."""
+    from tokenmill.distributed import group as tp
+
     cls = model_class(cfg.architecture)
+    if tp.current() is not None:  # this rank's share of the model (distributed/sharding.py)
+        cfg = tp.current().shard.local
     with torch.device("meta"):
         model = cls(cfg, max_positions=max_positions)
     for module in model.modules():
@@ -54,6 +58,10 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
         if hasattr(module, "reset_buffers"):
             module.reset_buffers()
     model.tie_weights()  # each module got its own tensor, untying shared ones
+    if tp.current() is not None:
+        from tokenmill.distributed.parallelize import parallelize
+
+        parallelize(model, tp.current(), tp.current().shard)
     if _quantize_on_load:
         from tokenmill.layers.linear import Linear
 

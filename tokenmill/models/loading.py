@@ -12,6 +12,12 @@ from torch import nn
 
 def load_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 packed: dict[str, tuple[str, int]] | None = None) -> None:
+    """Under tensor parallelism (distributed/), each tensor is first cut to this rank's part."""
+    from tokenmill.distributed import group as tp
+
+    if tp.current() is not None:
+        part = tp.current().shard.tensor
+        weights = ((name, part(name, t)) for name, t in weights)
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     pending = {name: _num_shards(model, name) for name in params}  # shards still to load

@@ -1,0 +1,131 @@
+"""The tensor-parallel process group: torch.distributed over TCP rendezvous (gloo on CPU, NCCL
+on CUDA, chosen by the device), and the two collectives a sharded model needs: the sum of
+row-parallel outputs (all-reduce) and the concatenation of vocabulary slices (all-gather).
+
+While a model is built, `building(group)` makes the group current, so that the layers of the
+model being built learn their rank and size without every constructor taking them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the ranks find each other. Rank r lives on node r // (size // nnodes)."""
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29511
+    timeout_s: float = 120.0  # rendezvous (and any collective) gives up after this
+
+    def __post_init__(self) -> None:
+        tp, nn = self.tensor_parallel_size, self.nnodes
+        for name, value in (("tensor_parallel_size", tp), ("nnodes", nn)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if tp % nn:
+            raise ValueError(f"tensor_parallel_size ({tp}) must be a multiple of nnodes ({nn})")
+        if not 0 <= self.node_rank < nn:
+            raise ValueError(f"node_rank must be in [0, {nn}), got {self.node_rank}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master_port must be in (0, 65536), got {self.master_port}")
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.tensor_parallel_size // self.nnodes
+
+    @property
+    def node_ranks(self) -> range:
+        """The global ranks that run on this node."""
+        first = self.node_rank * self.ranks_per_node
+        return range(first, first + self.ranks_per_node)
+
+
+class TPGroup:
+    """One rank's view of the group. A collective that fails (a rank died, the network went
+    away, the timeout passed) ends this process with a message: the shards cannot go on
+    without each other, and waiting would hang every request."""
+
+    def __init__(self, rank: int, size: int, device: torch.device) -> None:
+        self.rank, self.size, self.device = rank, size, device
+        self.shard = None  # sharding.Shard: what this rank holds (set once the config is known)
+        self.reduce_seconds = 0.0  # time spent in all-reduces (the share of a step they take)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        start = time.perf_counter()
+        with self._fatal("all-reduce"):
+            if x.dtype == torch.bfloat16 and x.device.type == "cpu":  # gloo cannot sum bf16
+                y = x.float()
+                dist.all_reduce(y)
+                x.copy_(y)
+            else:
+                dist.all_reduce(x)
+        self.reduce_seconds += time.perf_counter() - start
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x, concatenated along the last dimension in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        with self._fatal("all-gather"):
+            dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def broadcast(self, obj=None):
+        """Rank 0's object, on every rank (pickled: only engine-made plans, never model data)."""
+        box = [obj]
+        with self._fatal("broadcast"):
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @contextlib.contextmanager
+    def _fatal(self, what: str):
+        try:
+            yield
+        except (RuntimeError, ConnectionError) as e:
+            fatal(f"tensor-parallel rank {self.rank}: {what} failed ({e}); another rank has "
+                  "died or cannot be reached, so this one exits")
+
+
+def fatal(message: str) -> None:
+    """Print and end the process now (no cleanup that could wait on a dead peer)."""
+    print(f"tokenmill: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def init_group(rank: int, parallel: ParallelConfig, device: torch.device) -> TPGroup:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend, init_method=f"tcp://{parallel.master_addr}:{parallel.master_port}",
+        rank=rank, world_size=parallel.tensor_parallel_size,
+        timeout=datetime.timedelta(seconds=parallel.timeout_s))
+    return TPGroup(rank, parallel.tensor_parallel_size, device)
+
+
+_current: TPGroup | None = None
+
+
+def current() -> TPGroup | None:
+    """The group of the model being built (None: not sharded)."""
+    return _current
+
+
+@contextlib.contextmanager
+def building(group: TPGroup | None):
+    global _current
+    previous, _current = _current, group
+    try:
+        yield
+    finally:
+        _current = previous

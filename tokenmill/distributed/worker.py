@@ -1,0 +1,111 @@
+"""A tensor-parallel worker: one process per rank other than the driver's rank 0. It joins the
+group, receives the driver's setup (the model config and the KV cache plan), loads its shard,
+builds its KV cache for its KV heads, then runs every step the driver broadcasts: the same
+forward pass over its shard, whose collectives pair with the driver's. It samples nothing.
+
+The step plan is what ModelRunner.prepare reads of each scheduled sequence (PlannedSeq):
+tokens, positions, block tables. The scheduler and block manager live in the driver only.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.distributed.group import ParallelConfig, TPGroup, building, fatal, init_group
+
+
+@dataclass
+class PlannedSeq:
+    """One scheduled sequence as a step plan carries it (see ModelRunner.prepare)."""
+
+    num_computed_tokens: int
+    tokens: list[int]  # the tokens this step feeds
+    block_tables: list[list[int]]
+    decode: bool  # runs as decode rows
+
+    @classmethod
+    def of(cls, seq, n: int) -> PlannedSeq:
+        first = seq.num_computed_tokens
+        return cls(first, seq.step_token_ids(first, n), seq.block_tables, seq.runs_as_decode(n))
+
+    def step_token_ids(self, first: int, n: int) -> list[int]:
+        return self.tokens
+
+    def runs_as_decode(self, n: int) -> bool:
+        return self.decode
+
+
+@dataclass
+class Setup:
+    """What the driver decided and every rank must share."""
+
+    model_path: str
+    model_config: object  # the whole model's ModelConfig
+    groups: tuple  # the KV cache plan's CacheGroups
+    kv_dtype: str
+    max_model_len: int
+
+
+def load_shard(group: TPGroup, config, setup: Setup, device: torch.device, backend):
+    """This rank's model: built from its local config, the checkpoint cut to its part."""
+    from tokenmill.distributed.sharding import Shard
+    from tokenmill.loaders import load_model
+
+    group.shard = Shard(setup.model_config, group.rank, group.size)
+    with building(group):
+        model, _, dtype = load_model(setup.model_path, config.dtype, device, setup.max_model_len,
+                                     backend, config.quantization)
+    return model, dtype
+
+
+def threads_per_rank(config, parallel: ParallelConfig) -> int:
+    return config.num_threads or max(1, (os.cpu_count() or 1) // parallel.ranks_per_node)
+
+
+def run_worker(rank: int, config, parallel: ParallelConfig, watch_parent: bool = False) -> None:
+    """The body of a worker process (spawned, or started on another node). watch_parent: exit
+    when the process that spawned this one is gone."""
+    from tokenmill.engine.cache_config import resolve_device
+    from tokenmill.engine.model_runner import ModelRunner
+    from tokenmill.layers import ops
+
+    if watch_parent:
+        _exit_with_parent()
+    torch.set_num_threads(threads_per_rank(config, parallel))
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+    group = init_group(rank, parallel, device)
+    setup: Setup = group.broadcast()
+    backend = ops.select(config.use_kernels, device, config.deterministic)
+    model, _ = load_shard(group, config, setup, device, backend)
+    runner = ModelRunner(model, group.shard.local, setup.groups, config.block_size,
+                         setup.kv_dtype, device, config.seed, backend=backend)
+    runner.prepare_weights()
+    group.broadcast()  # loaded: the driver waits for every rank before serving
+    with torch.inference_mode():
+        while True:
+            msg = group.broadcast()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "step":
+                runner.run(msg[1], msg[2])
+    os._exit(0)  # no destroy_process_group: a peer may already be gone
+
+
+def _exit_with_parent() -> None:
+    """A spawned worker whose driver is gone has nothing to do: exit (checked every second)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                fatal("tensor-parallel worker: its parent process is gone; exiting")
+
+    threading.Thread(target=watch, daemon=True, name="tokenmill-tp-parent").start()
