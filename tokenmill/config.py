@@ -58,6 +58,7 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int | None = None
+    distributed_timeout: float = 120.0  # seconds a rendezvous or collective may wait
 
     @property
     def parallel(self):
@@ -72,7 +73,7 @@ class EngineConfig:
                 s.bind((self.master_addr, 0))
                 port = s.getsockname()[1]
         return ParallelConfig(self.tensor_parallel_size, self.nnodes, self.node_rank,
-                              self.master_addr, port)
+                              self.master_addr, port, self.distributed_timeout)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config",

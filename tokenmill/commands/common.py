@@ -38,6 +38,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--deterministic", action="store_true",
                    help="batch-invariant kernels: the same tokens and logprobs alone, batched, "
                         "chunked or prefix-cached (slower prefill; docs/performance.md)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="ranks the model is split over (one process each; --threads is per "
+                        "rank)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes the ranks run on")
+    g.add_argument("--node-rank", type=int, default=0,
+                   help="this node (0 runs the engine and serves; others run workers only)")
+    g.add_argument("--master-addr", default="127.0.0.1", help="node 0's address (rendezvous)")
+    g.add_argument("--master-port", type=int, help="node 0's rendezvous port (several nodes)")
+    g.add_argument("--distributed-timeout", type=float, default=120.0,
+                   help="seconds a rendezvous or collective may wait for the other ranks")
     g.add_argument("--speculative-config", metavar="JSON",
                    help='speculative decoding, as vLLM: \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
@@ -54,7 +64,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         enable_chunked_prefill=not args.no_chunked_prefill,
         kv_cache_memory=args.kv_cache_memory, kv_cache_dtype=args.kv_cache_dtype,
         num_threads=args.threads, speculative_config=args.speculative_config,
-        deterministic=args.deterministic,
+        deterministic=args.deterministic, tensor_parallel_size=args.tensor_parallel_size,
+        nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+        master_port=args.master_port, distributed_timeout=args.distributed_timeout,
     )
 
 

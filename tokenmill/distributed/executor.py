@@ -18,6 +18,7 @@ import threading
 import time
 
 import torch
+import torch.distributed
 import torch.multiprocessing as mp
 
 from tokenmill.distributed.group import ParallelConfig, TPGroup, fatal, init_group
@@ -44,9 +45,16 @@ class TPDriver:
             proc.start()
         self._closing = False
         threading.Thread(target=self._watch, daemon=True, name="tokenmill-tp-watch").start()
-        atexit.register(self.shutdown)  # before multiprocessing's exit handler kills workers
         torch.set_num_threads(threads_per_rank(config, parallel))
-        self.group: TPGroup = init_group(0, parallel, device)
+        try:
+            self.group: TPGroup = init_group(0, parallel, device)
+        except RuntimeError:
+            self._closing = True
+            for proc in self.procs.values():
+                proc.kill()
+            raise
+        self.group.explain = self._dead_worker
+        atexit.register(self.shutdown)  # before multiprocessing's exit handler kills workers
         logger.info("tensor parallel: %d ranks on %d node(s), rendezvous %s:%d",
                     parallel.tensor_parallel_size, parallel.nnodes, parallel.master_addr,
                     parallel.master_port)
@@ -68,14 +76,20 @@ class TPDriver:
         self.group.broadcast(("stop",))
         for proc in self.procs.values():
             proc.join(timeout=10)
+        torch.distributed.destroy_process_group()  # a later engine in this process may start one
+
+    def _dead_worker(self) -> str | None:
+        for rank, proc in self.procs.items():
+            if not proc.is_alive():
+                return (f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
+                        f"{proc.exitcode}; the engine cannot run without its shard, so it stops")
+        return None
 
     def _watch(self) -> None:
         while not self._closing:
-            for rank, proc in self.procs.items():
-                if not proc.is_alive() and not self._closing:
-                    fatal(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with "
-                          f"code {proc.exitcode}; the engine cannot run without its shard, "
-                          "so it stops")
+            message = self._dead_worker()
+            if message and not self._closing:
+                fatal(message)
             time.sleep(0.5)
 
 

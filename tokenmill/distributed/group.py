@@ -61,6 +61,7 @@ class TPGroup:
     def __init__(self, rank: int, size: int, device: torch.device) -> None:
         self.rank, self.size, self.device = rank, size, device
         self.shard = None  # sharding.Shard: what this rank holds (set once the config is known)
+        self.explain = lambda: None  # the driver's: which local worker died, if one did
         self.reduce_seconds = 0.0  # time spent in all-reduces (the share of a step they take)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -94,8 +95,10 @@ class TPGroup:
         try:
             yield
         except (RuntimeError, ConnectionError) as e:
-            fatal(f"tensor-parallel rank {self.rank}: {what} failed ({e}); another rank has "
-                  "died or cannot be reached, so this one exits")
+            time.sleep(0.2)  # let a dead worker's exit status settle, to name it
+            fatal(self.explain() or f"tensor-parallel rank {self.rank}: {what} failed "
+                  f"({str(e).splitlines()[0]}); another rank has died or cannot be reached, "
+                  "so this one exits")
 
 
 def fatal(message: str) -> None:
@@ -106,10 +109,18 @@ def fatal(message: str) -> None:
 
 def init_group(rank: int, parallel: ParallelConfig, device: torch.device) -> TPGroup:
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        backend, init_method=f"tcp://{parallel.master_addr}:{parallel.master_port}",
-        rank=rank, world_size=parallel.tensor_parallel_size,
-        timeout=datetime.timedelta(seconds=parallel.timeout_s))
+    where = f"{parallel.master_addr}:{parallel.master_port}"
+    try:
+        dist.init_process_group(
+            backend, init_method=f"tcp://{where}", rank=rank,
+            world_size=parallel.tensor_parallel_size,
+            timeout=datetime.timedelta(seconds=parallel.timeout_s))
+    except (RuntimeError, ValueError, OSError) as e:  # DistStoreError is a RuntimeError
+        raise RuntimeError(
+            f"tensor-parallel rendezvous at {where} failed for rank {rank} of "
+            f"{parallel.tensor_parallel_size} within {parallel.timeout_s:g} s (are all "
+            f"{parallel.nnodes} nodes started, with the same --master-addr/--master-port?): "
+            f"{str(e).splitlines()[0]}") from None
     return TPGroup(rank, parallel.tensor_parallel_size, device)
 
 

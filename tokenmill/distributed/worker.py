@@ -42,8 +42,10 @@ class PlannedSeq:
 
 @dataclass
 class Setup:
-    """What the driver decided and every rank must share."""
+    """What the driver decided and every rank must share (a node started with other flags
+    still runs the driver's engine config)."""
 
+    config: object  # the driver's EngineConfig
     model_path: str
     model_config: object  # the whole model's ModelConfig
     groups: tuple  # the KV cache plan's CacheGroups
@@ -82,6 +84,7 @@ def run_worker(rank: int, config, parallel: ParallelConfig, watch_parent: bool =
         device = torch.device("cuda", rank % torch.cuda.device_count())
     group = init_group(rank, parallel, device)
     setup: Setup = group.broadcast()
+    config = setup.config
     backend = ops.select(config.use_kernels, device, config.deterministic)
     model, _ = load_shard(group, config, setup, device, backend)
     runner = ModelRunner(model, group.shard.local, setup.groups, config.block_size,

@@ -126,7 +126,8 @@ class LLMEngine:
         with ops.building(backend):  # resolve_dtype asks which op implementation builds
             dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         plan = plan_kv_cache(config, model_config, dtype, self.device)
-        setup = Setup(path, model_config, plan.groups, plan.kv_dtype, config.max_model_len)
+        setup = Setup(config, path, model_config, plan.groups, plan.kv_dtype,
+                      config.max_model_len)
         self.tp = TPDriver(config, config.parallel, self.device)
         self.tp.setup(setup)
         model, dtype = load_shard(self.tp.group, config, setup, self.device, backend)

@@ -75,6 +75,15 @@ def run(args) -> int:
     if not args.request_timeout > 0:
         raise ValueError(f"--request-timeout must be > 0, got {args.request_timeout}")
     engine_config = EngineConfig(model=args.model, **engine_kwargs(args))
+    if engine_config.node_rank > 0:  # a worker node: its ranks, no HTTP
+        from tokenmill.distributed.executor import serve_node
+
+        parallel = engine_config.parallel
+        print(f"tokenmill serve: node {parallel.node_rank} of {parallel.nnodes}, ranks "
+              f"{list(parallel.node_ranks)}, joining {parallel.master_addr}:"
+              f"{parallel.master_port}", file=sys.stderr, flush=True)
+        serve_node(engine_config, parallel)
+        return 0
     names = args.served_model_name or [args.model]
 
     def build_engine() -> LLMEngine:  # on the engine's step thread (see AsyncEngine): one

@@ -1,0 +1,227 @@
+"""Tensor parallelism (tokenmill/distributed/) on tiny float32 models of every architecture it
+shards: TP=2 logits within 1e-5 of TP=1 and the same greedy tokens, alone and batched with
+chunked prefill, prefix caching and preemption; the same over two "nodes" on loopback; a
+worker killed mid-generation ends the server with a message; clear errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.conftest import random_prompts, save_tiny_model
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.sampling_params import SamplingParams
+
+NEW = 32
+KW = dict(dtype="float32", max_model_len=256, block_size=8, max_num_seqs=8,
+          max_num_batched_tokens=16)
+
+
+def save_gemma3(path):
+    from tests.test_gemma3 import tiny_gemma3
+
+    tiny_gemma3().save_pretrained(path)
+
+
+def save_phi3(path):
+    from tests.test_phi3 import save_phi3 as save
+
+    save(path)
+
+
+ARCHS = {
+    "llama-gqa": lambda p: save_tiny_model(p, "llama"),  # KV heads split: 2 over 2 ranks
+    "qwen2-bias": lambda p: save_tiny_model(p, "qwen2"),  # q/k/v biases split with the rows
+    "qwen3-mqa": lambda p: save_tiny_model(p, "qwen3", num_key_value_heads=1, head_dim=16),
+    "mistral-sliding": lambda p: save_tiny_model(p, "mistral", sliding_window=8),
+    "gemma3": save_gemma3,  # two KV pools, GeGLU, soft-capping
+    "phi3": save_phi3,  # q|k|v and gate|up fused in the checkpoint
+}
+
+
+def generate(engine: LLMEngine, prompts, max_tokens=NEW) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[i] for i in ids]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def arch(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    ARCHS[request.param](path)
+    return request.param, str(path)
+
+
+def test_tp2_matches_tp1(arch):
+    name, path = arch
+    prompts = random_prompts(8, 3, 45, seed=1, vocab=256)
+    one = LLMEngine(EngineConfig(model=path, **KW))
+    two = LLMEngine(EngineConfig(model=path, tensor_parallel_size=2, **KW))
+    try:
+        probe = prompts[-1]
+        diff = (one.compute_logits(probe) - two.compute_logits(probe)).abs().max().item()
+        assert diff < 1e-5, (name, diff)
+        alone = [generate(one, [p]) for p in prompts[:2]]
+        assert [generate(two, [p]) for p in prompts[:2]] == alone
+        batched = generate(one, prompts)  # chunked prefill: 16 tokens a step
+        assert generate(two, prompts) == batched
+        assert batched[:2] == [a[0] for a in alone]
+        again = generate(two, prompts)  # served from the prefix cache
+        assert again == batched and two.kv_manager.primary.num_hit_tokens > 0
+        assert two.kv_manager.num_free_blocks == two.kv_manager.num_blocks
+    finally:
+        two.close()
+
+
+def test_preemption_under_tp(tmp_path):
+    save_tiny_model(tmp_path, "llama")
+    prompts = random_prompts(8, 20, 45, seed=2, vocab=256)
+    expected = generate(LLMEngine(EngineConfig(model=str(tmp_path), **KW)), prompts)
+    small = {**KW, "kv_cache_memory": 40 * 8 * 2 * 2 * 2 * 16 * 4}  # 40 blocks of 8 tokens
+    two = LLMEngine(EngineConfig(model=str(tmp_path), tensor_parallel_size=2, **small))
+    try:
+        assert generate(two, prompts) == expected
+        assert two.scheduler.num_preemptions > 0
+    finally:
+        two.close()
+
+
+def test_two_nodes_on_loopback(tmp_path):
+    """Node 1 is `tokenmill serve --node-rank 1` in another process; node 0 the engine here."""
+    save_tiny_model(tmp_path, "llama")
+    prompts = random_prompts(4, 3, 30, seed=3, vocab=256)
+    expected = generate(LLMEngine(EngineConfig(model=str(tmp_path), **KW)), prompts)
+    port = free_port()
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill", "serve", str(tmp_path), "--tensor-parallel-size",
+         "2", "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        two = LLMEngine(EngineConfig(model=str(tmp_path), tensor_parallel_size=2, nnodes=2,
+                                     master_port=port, **KW))
+        assert generate(two, prompts) == expected
+        two.close()
+        assert node1.wait(timeout=30) == 0
+    finally:
+        node1.kill()
+
+
+def test_rendezvous_timeout_is_a_clear_error(tmp_path):
+    """Node 0 alone, node 1 never started (in a process of its own: a failed rendezvous
+    leaves torch.distributed's group counter behind)."""
+    save_tiny_model(tmp_path, "llama")
+    start = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "tokenmill", "generate", str(tmp_path), "hi",
+         "--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", str(free_port()),
+         "--distributed-timeout", "3"], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and time.monotonic() - start < 30
+    assert "rendezvous at 127.0.0.1" in r.stderr and "nodes started" in r.stderr
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (dict(hidden_size=48, num_attention_heads=3, num_key_value_heads=3, head_dim=16),
+     "num_attention_heads \\(3\\) is not divisible"),
+    (dict(intermediate_size=129), "intermediate_size \\(129\\) is not divisible"),
+])
+def test_shapes_that_do_not_split(tmp_path, overrides, words):
+    save_tiny_model(tmp_path, "llama", **overrides)
+    with pytest.raises(ValueError, match=words):
+        LLMEngine(EngineConfig(model=str(tmp_path), tensor_parallel_size=2, **KW))
+
+
+def test_bad_parallel_config():
+    with pytest.raises(ValueError, match="multiple of nnodes"):
+        EngineConfig(model="x", tensor_parallel_size=3, nnodes=2, master_port=1234)
+    with pytest.raises(ValueError, match="master_port"):
+        EngineConfig(model="x", tensor_parallel_size=2, nnodes=2)
+
+
+def _spawned_children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if ppid == pid and "spawn_main" in cmd:
+            kids.append(int(entry))
+    return kids
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc to find the worker")
+def test_killed_worker_ends_the_server_with_a_message(tmp_path):
+    import httpx
+
+    save_tiny_model(tmp_path, "llama")
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tokenmill", "serve", str(tmp_path), "--port", str(port),
+         "--tensor-parallel-size", "2", "--max-model-len", "256"],
+        stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(120):
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        body = {"prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True, "stream": True}
+        streaming = threading.Thread(target=lambda: _drain(httpx, f"{url}/v1/completions",
+                                                           body), daemon=True)
+        streaming.start()
+        time.sleep(1.0)
+        (worker,) = _spawned_children(server.pid)
+        os.kill(worker, signal.SIGKILL)
+        start = time.monotonic()
+        code = server.wait(timeout=20)
+        assert code != 0 and time.monotonic() - start < 10
+        assert "tensor-parallel worker rank 1" in server.stderr.read()
+    finally:
+        server.kill()
+
+
+def _drain(httpx, url, body) -> None:
+    try:
+        with httpx.stream("POST", url, json=body, timeout=30) as r:
+            for _ in r.iter_lines():
+                pass
+    except httpx.HTTPError:
+        pass  # the server went away: what the test causes
+
+
+def test_all_reduce_time_is_counted(tmp_path):
+    save_tiny_model(tmp_path, "llama")
+    two = LLMEngine(EngineConfig(model=str(tmp_path), tensor_parallel_size=2, **KW))
+    try:
+        generate(two, [[1, 2, 3]], max_tokens=4)
+        assert two.tp.group.reduce_seconds > 0
+        assert torch.distributed.get_world_size() == 2
+    finally:
+        two.close()
