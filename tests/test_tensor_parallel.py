@@ -38,6 +38,15 @@ def save_phi3(path):
     save(path)
 
 
+def save_gpt2(path):
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=255, n_positions=256, n_embd=64, n_layer=2,
+                                     n_head=4)  # an odd vocabulary: the last rank's is padded
+    transformers.GPT2LMHeadModel(config).float().save_pretrained(path)
+
+
 ARCHS = {
     "llama-gqa": lambda p: save_tiny_model(p, "llama"),  # KV heads split: 2 over 2 ranks
     "qwen2-bias": lambda p: save_tiny_model(p, "qwen2"),  # q/k/v biases split with the rows
@@ -45,6 +54,7 @@ ARCHS = {
     "mistral-sliding": lambda p: save_tiny_model(p, "mistral", sliding_window=8),
     "gemma3": save_gemma3,  # two KV pools, GeGLU, soft-capping
     "phi3": save_phi3,  # q|k|v and gate|up fused in the checkpoint
+    "gpt2": save_gpt2,  # Conv1D weights, biases on the row-parallel projections, wpe replicated
 }
 
 
@@ -223,5 +233,23 @@ def test_all_reduce_time_is_counted(tmp_path):
         generate(two, [[1, 2, 3]], max_tokens=4)
         assert two.tp.group.reduce_seconds > 0
         assert torch.distributed.get_world_size() == 2
+    finally:
+        two.close()
+
+
+@pytest.mark.parametrize("quant", [dict(quantization="int8", kv_cache_dtype="int8"),
+                                   dict(quantization="int4", kv_cache_dtype="int4")],
+                         ids=["int8", "int4"])
+def test_quantized_weights_and_kv_shard(tmp_path, quant):
+    """Weights quantized as they load (after the cut: each rank quantizes its part, on the same
+    blocks of 32 as the whole) and a quantized KV cache per rank."""
+    save_tiny_model(tmp_path, "llama", head_dim=32)  # int4 KV packs groups of 32
+    prompts = random_prompts(4, 3, 30, seed=4, vocab=256)
+    one = LLMEngine(EngineConfig(model=str(tmp_path), **KW, **quant))
+    two = LLMEngine(EngineConfig(model=str(tmp_path), tensor_parallel_size=2, **KW, **quant))
+    try:
+        diff = (one.compute_logits(prompts[0]) - two.compute_logits(prompts[0])).abs().max()
+        assert diff < 1e-4, diff
+        assert generate(two, prompts) == generate(one, prompts)
     finally:
         two.close()

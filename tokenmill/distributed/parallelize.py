@@ -8,10 +8,10 @@ from __future__ import annotations
 from torch import nn
 
 from tokenmill.distributed.group import TPGroup
-from tokenmill.distributed.sharding import Shard
+from tokenmill.distributed.sharding import VOCAB_PARALLEL, Shard
 from tokenmill.layers.linear import Embedding, Linear
 
-ROW_PARALLEL = ("o_proj", "down_proj")
+ROW_PARALLEL = ("o_proj", "down_proj", "c_proj")
 
 
 def parallelize(model: nn.Module, group: TPGroup, shard: Shard) -> nn.Module:
@@ -23,7 +23,7 @@ def parallelize(model: nn.Module, group: TPGroup, shard: Shard) -> nn.Module:
             module.tp = (group, "reduce", None)
         elif isinstance(module, Linear) and leaf == "lm_head":
             module.tp = (group, "gather", vocab)
-        elif isinstance(module, Embedding):
+        elif isinstance(module, Embedding) and leaf in VOCAB_PARALLEL:
             module.tp = (group, rows.start, rows.stop)
         if hasattr(module, "_fused"):
             module._fused = False  # no fused decode step: it cannot all-reduce mid-layer

@@ -27,7 +27,7 @@ from tokenmill.models.config import ModelConfig
 from tokenmill.quantization import BlockQuant
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-             "Gemma3ForCausalLM", "Phi3ForCausalLM")
+             "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel")
 
 
 def local_config(cfg: ModelConfig, size: int) -> ModelConfig:
@@ -94,9 +94,9 @@ class Shard:
             return _rows(t, self.q_rows())
         if module in ("k_proj", "v_proj"):
             return _rows(t, self.kv_rows())
-        if module in ("gate_proj", "up_proj"):
+        if module in ("gate_proj", "up_proj", "c_fc"):
             return _rows(t, self.inter_rows())
-        if module == "qkv_proj":  # Phi-3: q | k | v fused in the checkpoint
+        if module in ("qkv_proj", "c_attn"):  # Phi-3, GPT-2: q | k | v fused in the checkpoint
             q, kv = self.cfg.num_attention_heads * self.cfg.head_dim, \
                 self.cfg.num_key_value_heads * self.cfg.head_dim
             parts = [_rows(t, slice(0, q)), _rows(t, slice(q, q + kv)),
@@ -107,14 +107,17 @@ class Shard:
             inter = self.cfg.intermediate_size
             return _cat([_rows(_rows(t, slice(i * inter, (i + 1) * inter)), self.inter_rows())
                          for i in range(2)])
-        if module in ("o_proj", "down_proj"):
+        if module in ("o_proj", "down_proj", "c_proj"):
             if is_bias:
                 return t if self.rank == 0 else torch.zeros_like(t)
-            cols = self.q_rows() if module == "o_proj" else self.inter_rows()
-            return _cols(t, cols)
-        if module in ("embed_tokens", "lm_head"):
+            attention = module == "o_proj" or ".attn." in name
+            return _cols(t, self.q_rows() if attention else self.inter_rows())
+        if module in VOCAB_PARALLEL:
             return _padded_rows(t, self.vocab_rows())
         return t
+
+
+VOCAB_PARALLEL = ("embed_tokens", "wte", "lm_head")  # (GPT-2's wpe, positions, is replicated)
 
 
 def _rows(t, rows: slice):

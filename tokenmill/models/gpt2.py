@@ -25,14 +25,14 @@ class GPT2Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        hidden = cfg.hidden_size
-        self.c_attn = Linear(hidden, [3 * hidden], bias=True)  # q | k | v: one tensor in HF
-        self.c_proj = Linear(hidden, [hidden], bias=True)
+        hidden, self.inner = cfg.hidden_size, self.num_heads * self.head_dim  # (a TP rank's)
+        self.c_attn = Linear(hidden, [3 * self.inner], bias=True)  # q | k | v: one HF tensor
+        self.c_proj = Linear(self.inner, [hidden], bias=True)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, layer_idx)
 
     def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.c_attn(x).split(x.shape[-1], dim=-1)
+        q, k, v = self.c_attn(x).split(self.inner, dim=-1)
         shape = (tokens, self.num_heads, self.head_dim)  # (tokens, heads, head_dim)
         out = self.attn(q.view(shape), k.view(shape), v.view(shape), ctx)
         return self.c_proj(out.reshape(tokens, -1))

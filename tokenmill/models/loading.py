@@ -12,12 +12,12 @@ from torch import nn
 
 def load_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                 packed: dict[str, tuple[str, int]] | None = None) -> None:
-    """Under tensor parallelism (distributed/), each tensor is first cut to this rank's part."""
+    """Under tensor parallelism (distributed/), each tensor is first cut to this rank's part
+    (a weight to quantize at load is quantized whole first: per-channel scales stay those of
+    the whole row)."""
     from tokenmill.distributed import group as tp
 
-    if tp.current() is not None:
-        part = tp.current().shard.tensor
-        weights = ((name, part(name, t)) for name, t in weights)
+    part = tp.current().shard.tensor if tp.current() is not None else None
     params = dict(model.named_parameters())
     tied = getattr(model.config, "tie_word_embeddings", False)
     pending = {name: _num_shards(model, name) for name in params}  # shards still to load
@@ -30,6 +30,8 @@ def load_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
         if target not in params:
             raise ValueError(f"checkpoint tensor {name!r} does not belong to this model")
         owner = _owner(model, target)
+        if part is not None:
+            tensor = part(name, _quantized_whole(owner, target, tensor))
         if target.endswith(".weight") and getattr(owner, "takes_quantized", lambda t: 0)(tensor):
             owner.load_shard(shard, tensor)  # quantized, or assembled in the layer first
             _loaded(pending[target], shard)
@@ -46,6 +48,15 @@ def load_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     missing = sorted(name for name, shards in pending.items() if shards)
     if missing:
         raise ValueError(f"checkpoint is missing weights: {', '.join(missing[:5])}")
+
+
+def _quantized_whole(owner: nn.Module, target: str, tensor):
+    method = getattr(owner, "quantize_on_load", None)
+    if method and target.endswith(".weight") and isinstance(tensor, torch.Tensor):
+        from tokenmill.quantization.rtn import quantize
+
+        return quantize(tensor, method)
+    return tensor
 
 
 def _loaded(pending: set, shard: int | None) -> None:
