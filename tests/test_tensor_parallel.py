@@ -253,3 +253,18 @@ def test_quantized_weights_and_kv_shard(tmp_path, quant):
         assert generate(two, prompts) == generate(one, prompts)
     finally:
         two.close()
+
+
+@pytest.mark.parametrize("comm", ["shm", "gloo"])
+def test_both_collective_paths(tmp_path, monkeypatch, comm):
+    """One host uses shared-memory collectives (distributed/shm.py); gloo's must give the same."""
+    monkeypatch.setenv("TOKENMILL_TP_COMM", comm)
+    save_tiny_model(tmp_path, "llama")
+    prompts = random_prompts(3, 3, 30, seed=5, vocab=256)
+    expected = generate(LLMEngine(EngineConfig(model=str(tmp_path), **KW)), prompts)
+    two = LLMEngine(EngineConfig(model=str(tmp_path), tensor_parallel_size=2, **KW))
+    try:
+        assert (two.tp.group.shm is not None) == (comm == "shm")
+        assert generate(two, prompts) == expected
+    finally:
+        two.close()

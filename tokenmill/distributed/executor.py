@@ -76,6 +76,7 @@ class TPDriver:
         self.group.broadcast(("stop",))
         for proc in self.procs.values():
             proc.join(timeout=10)
+        self.group.close()
         torch.distributed.destroy_process_group()  # a later engine in this process may start one
 
     def _dead_worker(self) -> str | None:

@@ -62,12 +62,15 @@ class TPGroup:
         self.rank, self.size, self.device = rank, size, device
         self.shard = None  # sharding.Shard: what this rank holds (set once the config is known)
         self.explain = lambda: None  # the driver's: which local worker died, if one did
+        self.shm = None  # shm.ShmComm when every rank is on this host (else gloo / NCCL)
         self.reduce_seconds = 0.0  # time spent in all-reduces (the share of a step they take)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         start = time.perf_counter()
         with self._fatal("all-reduce"):
-            if x.dtype == torch.bfloat16 and x.device.type == "cpu":  # gloo cannot sum bf16
+            if self.shm is not None and self.shm.fits(x.numel() * x.element_size()):
+                self.shm.all_reduce(x)
+            elif x.dtype == torch.bfloat16 and x.device.type == "cpu":  # gloo cannot sum bf16
                 y = x.float()
                 dist.all_reduce(y)
                 x.copy_(y)
@@ -78,6 +81,9 @@ class TPGroup:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's x, concatenated along the last dimension in rank order."""
+        if self.shm is not None and self.shm.fits(x.numel() * x.element_size()):
+            with self._fatal("all-gather"):
+                return self.shm.all_gather(x)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         with self._fatal("all-gather"):
             dist.all_gather(parts, x.contiguous())
@@ -85,10 +91,19 @@ class TPGroup:
 
     def broadcast(self, obj=None):
         """Rank 0's object, on every rank (pickled: only engine-made plans, never model data)."""
-        box = [obj]
         with self._fatal("broadcast"):
+            if self.shm is not None:
+                done, value = self.shm.broadcast(obj)
+                if done:
+                    return value
+            box = [obj]
             dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
 
     @contextlib.contextmanager
     def _fatal(self, what: str):
@@ -121,7 +136,37 @@ def init_group(rank: int, parallel: ParallelConfig, device: torch.device) -> TPG
             f"{parallel.tensor_parallel_size} within {parallel.timeout_s:g} s (are all "
             f"{parallel.nnodes} nodes started, with the same --master-addr/--master-port?): "
             f"{str(e).splitlines()[0]}") from None
-    return TPGroup(rank, parallel.tensor_parallel_size, device)
+    group = TPGroup(rank, parallel.tensor_parallel_size, device)
+    if use_shared_memory(parallel, device):
+        from tokenmill.distributed.shm import ShmComm
+
+        name = f"tokenmill-tp-{os.getpid()}-{parallel.master_port}" if rank == 0 else None
+        create = rank == 0
+        if create:
+            comm = ShmComm(0, group.size, name, SLOT_BYTES, True, parallel.timeout_s,
+                           lambda why: fatal(f"tensor-parallel rank 0: {why}"))
+        box = [name]
+        dist.broadcast_object_list(box, src=0)
+        if not create:
+            comm = ShmComm(rank, group.size, box[0], SLOT_BYTES, False, parallel.timeout_s,
+                           lambda why: fatal(f"tensor-parallel rank {rank}: {why}"))
+        dist.barrier()  # every rank has it mapped
+        comm.unlink()
+        group.shm = comm
+    return group
+
+
+SLOT_BYTES = 16 * 2**20  # per rank and parity; larger tensors go through gloo
+
+
+def use_shared_memory(parallel: ParallelConfig, device: torch.device) -> bool:
+    """Shared-memory collectives when every rank is on this host, on CPU, on x86 (whose stores
+    are seen in order, which the flags rely on); TOKENMILL_TP_COMM=gloo turns them off."""
+    import platform
+
+    return (parallel.nnodes == 1 and device.type == "cpu"
+            and platform.machine() in ("x86_64", "AMD64")
+            and os.environ.get("TOKENMILL_TP_COMM", "shm") != "gloo")
 
 
 _current: TPGroup | None = None

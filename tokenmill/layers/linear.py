@@ -94,11 +94,14 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
         if self.input_perm is not None:
             x = x.index_select(-1, self.input_perm)
-        out = self.ops.linear(x, self, out_fp32)
         if self.tp is None:
-            return out
+            return self.ops.linear(x, self, out_fp32)
         group, mode, vocab = self.tp
-        return group.all_reduce(out) if mode == "reduce" else group.all_gather(out)[..., :vocab]
+        if mode == "gather":
+            return group.all_gather(self.ops.linear(x, self, out_fp32))[..., :vocab]
+        # the ranks' partial sums added in float32 and rounded once, as one rank's GEMM would
+        out = group.all_reduce(self.ops.linear(x, self, out_fp32=True))
+        return out if out_fp32 else out.to(x.dtype)
 
 
 class Embedding(nn.Embedding):
