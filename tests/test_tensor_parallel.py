@@ -268,3 +268,54 @@ def test_both_collective_paths(tmp_path, monkeypatch, comm):
         assert generate(two, prompts) == expected
     finally:
         two.close()
+
+
+def test_device_placement_and_backend():
+    """The CUDA path's choices, checked on CPU: NCCL for CUDA ranks, each on its node's GPU."""
+    from tokenmill.distributed.group import backend_for, rank_device
+
+    cuda = torch.device("cuda")
+    assert backend_for(cuda) == "nccl" and backend_for(torch.device("cpu")) == "gloo"
+    assert rank_device(cuda, 5, 1, 4) == torch.device("cuda", 1)
+    assert rank_device(cuda, 6, 6, 4) == torch.device("cuda", 2)
+    assert rank_device(torch.device("cpu"), 3, 1, 0) == torch.device("cpu")
+    with pytest.raises(RuntimeError, match="no GPU"):
+        rank_device(cuda, 1, 1, 0)
+
+
+def test_shared_memory_collectives_against_torch():
+    """Two ranks as threads over one segment: sums, gathers and broadcasts equal torch's, for
+    many operations in a row (the slots' reuse) and a payload too large for a slot."""
+    from tokenmill.distributed.shm import ShmComm
+
+    name = f"tokenmill-test-{os.getpid()}"
+    comms = [ShmComm(0, 2, name, 4096, True, 30, pytest.fail)]
+    comms.append(ShmComm(1, 2, name, 4096, False, 30, pytest.fail))
+    comms[0].unlink()
+    g = torch.Generator().manual_seed(0)
+    data = [[torch.randn(n, generator=g) for n in (1, 7, 300, 1024)] for _ in range(2)]
+    results: list[list] = [[], []]
+
+    def rank(r: int) -> None:
+        comm = comms[r]
+        for step in range(25):
+            x = data[r][step % 4].clone()
+            results[r].append(("sum", comm.all_reduce(x)))
+            results[r].append(("cat", comm.all_gather(data[r][step % 4])))
+            results[r].append(("obj", comm.broadcast({"step": step} if r == 0 else None)))
+        results[r].append(("big", comm.broadcast(b"x" * 10000 if r == 0 else None)))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    for r in range(2):
+        for step in range(25):
+            a, b = data[0][step % 4], data[1][step % 4]
+            assert torch.equal(results[r][3 * step][1], a + b)
+            assert torch.equal(results[r][3 * step + 1][1], torch.cat([a, b]))
+            assert results[r][3 * step + 2][1] == (True, {"step": step})
+        assert results[r][-1][1] == (False, None)  # too large: the caller falls back to gloo
+    for comm in comms:
+        comm.close()

@@ -122,8 +122,23 @@ def fatal(message: str) -> None:
     os._exit(1)
 
 
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, rank: int, local_rank: int, gpus: int) -> torch.device:
+    """Where a rank runs: its own GPU on its node (local_rank modulo the node's GPUs), or the
+    CPU."""
+    if device.type != "cuda":
+        return device
+    if gpus < 1:
+        raise RuntimeError(f"tensor-parallel rank {rank} was asked for CUDA, but no GPU is "
+                           "visible")
+    return torch.device("cuda", local_rank % gpus)
+
+
 def init_group(rank: int, parallel: ParallelConfig, device: torch.device) -> TPGroup:
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = backend_for(device)
     where = f"{parallel.master_addr}:{parallel.master_port}"
     try:
         dist.init_process_group(

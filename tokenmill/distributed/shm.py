@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pickle
 import time
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 import torch
@@ -32,8 +32,8 @@ class ShmComm:
         total = size * FLAG_STRIDE * 8 + size * 2 * (HEADER + slot_bytes)
         self.shm = shared_memory.SharedMemory(name=name, create=create, size=total if create
                                               else 0)
-        if not create:  # the creator unlinks it; the tracker would too, at this one's exit
-            resource_tracker.unregister(self.shm._name, "shared_memory")
+        # Attaching registers the name with the resource tracker too; the spawned ranks share
+        # the driver's tracker, which forgets it when rank 0 unlinks it (unlink() below).
         self.created = create
         buf = self.shm.buf
         self.flags = np.ndarray((size * FLAG_STRIDE,), np.int64, buf, 0)

@@ -16,7 +16,14 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.distributed.group import ParallelConfig, TPGroup, building, fatal, init_group
+from tokenmill.distributed.group import (
+    ParallelConfig,
+    TPGroup,
+    building,
+    fatal,
+    init_group,
+    rank_device,
+)
 
 
 @dataclass
@@ -79,9 +86,9 @@ def run_worker(rank: int, config, parallel: ParallelConfig, watch_parent: bool =
     if watch_parent:
         _exit_with_parent()
     torch.set_num_threads(threads_per_rank(config, parallel))
-    device = resolve_device(config.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", rank % torch.cuda.device_count())
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = rank_device(resolve_device(config.device), rank,
+                         rank - parallel.node_ranks.start, gpus)
     group = init_group(rank, parallel, device)
     setup: Setup = group.broadcast()
     config = setup.config
