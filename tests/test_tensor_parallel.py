@@ -120,7 +120,8 @@ def test_two_nodes_on_loopback(tmp_path):
     """Node 1 is `tokenmill serve --node-rank 1` in another process; node 0 the engine here."""
     save_tiny_model(tmp_path, "llama")
     prompts = random_prompts(4, 3, 30, seed=3, vocab=256)
-    expected = generate(LLMEngine(EngineConfig(model=str(tmp_path), **KW)), prompts)
+    one = LLMEngine(EngineConfig(model=str(tmp_path), **KW))
+    logits, expected = one.compute_logits(prompts[0]), generate(one, prompts)
     port = free_port()
     node1 = subprocess.Popen(
         [sys.executable, "-m", "tokenmill", "serve", str(tmp_path), "--tensor-parallel-size",
@@ -129,7 +130,11 @@ def test_two_nodes_on_loopback(tmp_path):
     try:
         two = LLMEngine(EngineConfig(model=str(tmp_path), tensor_parallel_size=2, nnodes=2,
                                      master_port=port, **KW))
+        assert (two.compute_logits(prompts[0]) - logits).abs().max() < 1e-5
+        assert two.tp.group.shm is None  # across nodes: gloo over TCP
         assert generate(two, prompts) == expected
+        assert generate(two, prompts) == expected  # again, from the prefix cache
+        assert two.kv_manager.primary.num_hit_tokens > 0
         two.close()
         assert node1.wait(timeout=30) == 0
     finally:
@@ -319,3 +324,21 @@ def test_shared_memory_collectives_against_torch():
         assert results[r][-1][1] == (False, None)  # too large: the caller falls back to gloo
     for comm in comms:
         comm.close()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to pin ranks to")
+def test_ranks_pinned_to_their_cpus(tmp_path, monkeypatch):
+    cpus = sorted(os.sched_getaffinity(0))
+    monkeypatch.setenv("TOKENMILL_TP_CPUS", f"{cpus[0]};{cpus[1]}")
+    save_tiny_model(tmp_path, "llama")
+    two = None
+    try:
+        two = LLMEngine(EngineConfig(model=str(tmp_path), tensor_parallel_size=2, **KW))
+        assert os.sched_getaffinity(0) == {cpus[0]} and torch.get_num_threads() == 1
+        (worker,) = two.tp.procs.values()
+        assert os.sched_getaffinity(worker.pid) == {cpus[1]}
+    finally:
+        os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(1)
+        if two is not None:
+            two.close()

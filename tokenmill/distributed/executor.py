@@ -22,7 +22,7 @@ import torch.distributed
 import torch.multiprocessing as mp
 
 from tokenmill.distributed.group import ParallelConfig, TPGroup, fatal, init_group
-from tokenmill.distributed.worker import PlannedSeq, Setup, run_worker, threads_per_rank
+from tokenmill.distributed.worker import PlannedSeq, Setup, place_rank, run_worker
 
 logger = logging.getLogger("tokenmill")
 
@@ -45,7 +45,7 @@ class TPDriver:
             proc.start()
         self._closing = False
         threading.Thread(target=self._watch, daemon=True, name="tokenmill-tp-watch").start()
-        torch.set_num_threads(threads_per_rank(config, parallel))
+        place_rank(0, 0, config, parallel)
         try:
             self.group: TPGroup = init_group(0, parallel, device)
         except RuntimeError:

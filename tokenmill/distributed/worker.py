@@ -72,8 +72,30 @@ def load_shard(group: TPGroup, config, setup: Setup, device: torch.device, backe
     return model, dtype
 
 
-def threads_per_rank(config, parallel: ParallelConfig) -> int:
-    return config.num_threads or max(1, (os.cpu_count() or 1) // parallel.ranks_per_node)
+def place_rank(rank: int, local_rank: int, config, parallel: ParallelConfig) -> None:
+    """Pin this rank to its CPUs if TOKENMILL_TP_CPUS lists them (one list per local rank,
+    separated by ';', e.g. "0-15;16-31": a NUMA node each), and set its thread count:
+    --threads, else its CPUs, else the node's CPUs shared out among its ranks."""
+    lists = [s for s in os.environ.get("TOKENMILL_TP_CPUS", "").split(";") if s.strip()]
+    cpus = None
+    if lists:
+        if len(lists) != parallel.ranks_per_node:
+            raise ValueError(f"TOKENMILL_TP_CPUS lists {len(lists)} CPU sets for "
+                             f"{parallel.ranks_per_node} ranks on this node")
+        cpus = _cpu_list(lists[local_rank])
+        os.sched_setaffinity(0, cpus)
+    threads = config.num_threads or (len(cpus) if cpus else max(
+        1, (os.cpu_count() or 1) // parallel.ranks_per_node))
+    torch.set_num_threads(threads)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """'0-3,8' -> {0, 1, 2, 3, 8}"""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.strip().partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
 
 
 def run_worker(rank: int, config, parallel: ParallelConfig, watch_parent: bool = False) -> None:
@@ -85,7 +107,7 @@ def run_worker(rank: int, config, parallel: ParallelConfig, watch_parent: bool =
 
     if watch_parent:
         _exit_with_parent()
-    torch.set_num_threads(threads_per_rank(config, parallel))
+    place_rank(rank, rank - parallel.node_ranks.start, config, parallel)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = rank_device(resolve_device(config.device), rank,
                          rank - parallel.node_ranks.start, gpus)
