@@ -55,8 +55,24 @@ def test_stream_in_any_split_equals_whole(seed):
         content += text
         deltas += new
     assert "<tool" not in content and content.strip() == "Sure."
-    assert [(d.index, d.function.name, json.loads(d.function.arguments)) for d in deltas] == \
-        [(i, n, a) for i, (n, a) in enumerate(calls_of(parse_tool_calls(TEXT)[1]))]
+    calls: dict[int, list[str]] = {}
+    for d in deltas:  # as a client reassembles them: the name once, the arguments in pieces
+        entry = calls.setdefault(d.index, ["", ""])
+        entry[0] += d.function.name or ""
+        entry[1] += d.function.arguments or ""
+    assert [(n, json.loads(a)) for n, a in (calls[i] for i in sorted(calls))] == \
+        calls_of(parse_tool_calls(TEXT)[1])
+    assert len([d for d in deltas if d.id]) == 2  # one id per call
+
+
+def test_arguments_stream_before_the_call_closes():
+    stream = ToolCallStream()
+    _, first = stream.feed('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 22222')
+    assert first[0].function.name == "add" and first[0].id
+    assert "".join(d.function.arguments for d in first).startswith('{"a":')  # 14 held back
+    _, rest = stream.feed('2}}\n</tool_call>', final=True)
+    args = "".join(d.function.arguments for d in first + rest)
+    assert json.loads(args) == {"a": 1, "b": 222222}
 
 
 def test_text_that_looks_like_a_call_opening_is_not_lost():
