@@ -31,6 +31,12 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
     return 2 * num_layers * num_kv_heads * kv_format(kv_dtype).bytes_per_head(head_dim)
 
 
+def latent_bytes_per_token(num_layers: int, latent_dim: int, kv_dtype: str | torch.dtype) -> int:
+    """MLA (DeepSeek V2/V3): one latent vector per token per layer (kv_lora_rank + the decoupled
+    RoPE key's dims), no separate K and V."""
+    return num_layers * kv_format(kv_dtype).bytes_per_head(latent_dim)
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed pool. On the CPU its pages are mapped by the OS on first use (an anonymous
     mapping), so resident memory and start-up time follow the tokens cached, not the budget
