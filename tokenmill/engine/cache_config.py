@@ -10,7 +10,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_manager import CacheGroup
 from tokenmill.engine.memory import NotEnoughMemory, available_memory, check_kv_budget, gib
-from tokenmill.layers.kv_cache import kv_bytes_per_token
+from tokenmill.layers.kv_cache import kv_bytes_per_token, latent_bytes_per_token
 from tokenmill.layers.kv_quant import kv_format
 from tokenmill.models.config import ModelConfig
 
@@ -85,7 +85,13 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
     kv_dtype = kv_dtype_for(config, model_dtype)
     bs = config.block_size
     specs = mc.kv_cache_groups()
-    per_token = [kv_bytes_per_token(len(layers), mc.num_key_value_heads, mc.head_dim, kv_dtype)
+    if mc.kv_latent_dim and config.kv_cache_dtype != "auto":
+        raise ValueError(f"{mc.architecture} caches MLA latents, which tokenmill keeps in the "
+                         f"model's dtype: kv_cache_dtype must be 'auto', got "
+                         f"{config.kv_cache_dtype!r}")
+    per_token = [latent_bytes_per_token(len(layers), mc.kv_latent_dim, kv_dtype)
+                 if mc.kv_latent_dim else
+                 kv_bytes_per_token(len(layers), mc.num_key_value_heads, mc.head_dim, kv_dtype)
                  for layers, _ in specs]
     blocks = _group_blocks(config, specs, [p * bs for p in per_token], max_len, device)
     groups = tuple(CacheGroup(layers, window, n, p)

@@ -54,7 +54,8 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_caches = [  # one per block pool (see engine/kv_manager.py)
             KVCache(len(g.layers), g.num_blocks, block_size, model_config.num_key_value_heads,
-                    model_config.head_dim, kv_dtype, device) for g in groups
+                    model_config.kv_latent_dim or model_config.head_dim, kv_dtype, device,
+                    latent=bool(model_config.kv_latent_dim)) for g in groups
         ]
         self.kv_cache = self.kv_caches[0]
         self.eos_ids = list(eos_ids)
@@ -68,7 +69,7 @@ class ModelRunner:
             if isinstance(module, Linear):
                 module.prepared()
         cfg, cache = self.config, self.kv_cache
-        if not cache.quantized and cache.format.dtype in ops.KERNEL_DTYPES:
+        if not cache.quantized and not cache.latent and cache.format.dtype in ops.KERNEL_DTYPES:
             self.ops.prepare_attention(cfg.num_attention_heads, cfg.num_key_value_heads,
                                        cfg.head_dim, cache.format.dtype)
 

@@ -67,15 +67,20 @@ class KVCache:
         head_dim: int,
         kv_dtype: str | torch.dtype,
         device: torch.device,
+        latent: bool = False,
     ) -> None:
+        """latent: MLA's cache, one vector of head_dim values per token (in k), no v."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.format: KVFormat = kv_format(kv_dtype)
-        self.bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, kv_dtype)
+        self.latent = latent
+        self.bytes_per_token = (latent_bytes_per_token(num_layers, head_dim, kv_dtype) if latent
+                                else kv_bytes_per_token(num_layers, num_kv_heads, head_dim,
+                                                        kv_dtype))
         prefix = (num_layers, num_blocks, block_size, num_kv_heads)
         # Zeros, not empty: padded slots are masked out, but 0 * NaN would still poison softmax @ V.
         self.k = [zeros((*prefix, w), d, device) for w, d in self.format.part_specs(head_dim)]
-        self.v = [zeros(p.shape, p.dtype, device) for p in self.k]
+        self.v = [] if latent else [zeros(p.shape, p.dtype, device) for p in self.k]
 
     @property
     def quantized(self) -> bool:
@@ -89,9 +94,10 @@ class KVCache:
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.k + self.v)
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> None:
-        # k, v: (tokens, kv_heads, head_dim); slots: (tokens,)
-        for parts, x in ((self.k, k), (self.v, v)):
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor | None,
+              slots: torch.Tensor) -> None:
+        # k, v: (tokens, kv_heads, head_dim); slots: (tokens,); v None for a latent cache
+        for parts, x in ((self.k, k), (self.v, v)) if v is not None else ((self.k, k),):
             for part, value in zip(parts, self.format.encode(x)):
                 flat = part[layer].view(-1, *part.shape[3:])  # (slots, kv_heads, width)
                 _raw(flat).index_copy_(0, slots, _raw(value))

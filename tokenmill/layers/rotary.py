@@ -23,7 +23,7 @@ from torch import nn
 
 from tokenmill.layers import ops
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "yarn")
 
 
 def _rope_type(scaling: dict | None) -> str:
@@ -49,14 +49,48 @@ def rope_inv_freq(dim: int, base: float, scaling: dict | None,
         long = (max_positions or 0) > scaling["original_max_position_embeddings"]
         key = "long_factor" if long else "short_factor"
         return _divided(inv_freq, scaling[key], f"LongRoPE {key}")
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, dim, base, scaling)
     raise ValueError(
         f"rope type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
     )
 
 
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict) -> torch.Tensor:
+    """YaRN: interpolated (divided by factor) low frequencies, extrapolated (kept) high ones,
+    a linear ramp between the dims that turn beta_fast and beta_slow times over the original
+    length (transformers' and DeepSeek's formula)."""
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    dims = torch.arange(dim // 2, dtype=torch.float32, device="cpu")
+    ramp = (dims - low) / ((high - low) or 0.001)
+    extrapolate = 1 - ramp.clamp(0, 1)
+    return inv_freq / factor * (1 - extrapolate) + inv_freq * extrapolate
+
+
 def rope_attention_factor(scaling: dict | None) -> float:
     """What cos/sin are multiplied by: LongRoPE's attention factor (given, or the paper's
-    sqrt(1 + ln(factor) / ln(original length)) for factor = max / original length), else 1."""
+    sqrt(1 + ln(factor) / ln(original length)) for factor = max / original length), YaRN's
+    (given, or mscale(factor, mscale) / mscale(factor, mscale_all_dim)), else 1."""
+    if _rope_type(scaling) == "yarn":
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        factor, m, m_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if m and m_all:
+            return yarn_mscale(factor, m) / yarn_mscale(factor, m_all)
+        return yarn_mscale(factor)
     if _rope_type(scaling) != "longrope":
         return 1.0
     if scaling.get("attention_factor") is not None:

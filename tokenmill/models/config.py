@@ -32,6 +32,10 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of the sliding-window layers (Gemma 3)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
     chat_template: str | None = None  # the family's template, for files that ship none
+    # MLA (DeepSeek V2/V3): the cache holds one latent of this many values per token per
+    # layer instead of K and V heads (num_key_value_heads and head_dim then describe it: 1, dim)
+    kv_latent_dim: int | None = None
+    family: dict = field(default_factory=dict)  # a family's own hyperparameters (its file's)
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)

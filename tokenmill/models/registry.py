@@ -21,6 +21,7 @@ _FAMILY_OF_ARCHITECTURE = {
     "GPT2LMHeadModel": _GPT2,
     "Phi3ForCausalLM": "tokenmill.models.phi3",
     "Gemma3ForCausalLM": _GEMMA3,
+    "DeepseekV3ForCausalLM": "tokenmill.models.deepseek",
 }
 _FAMILY_OF_GGUF_ARCHITECTURE = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
                                "phi3": "tokenmill.models.phi3",
@@ -39,6 +40,7 @@ _CAUSAL_LM_OF_MODEL_TYPE = {
     "gpt2": "GPT2LMHeadModel",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
 

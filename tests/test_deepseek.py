@@ -1,0 +1,99 @@
+"""DeepSeek V3 (MLA + MoE) against transformers on tiny random checkpoints, float32: logits
+within 1e-4 through chunked prefill, 32 greedy tokens identical alone and in a batch of 8 with
+chunked prefill, prefix caching and preemption; the cache holds only latents."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import hf_greedy, random_prompts
+from tokenmill import LLM, SamplingParams
+from tokenmill.layers.kv_cache import latent_bytes_per_token
+
+transformers = pytest.importorskip("transformers")
+
+NEW = 32
+BASE = dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+            n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32,
+            q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2,
+            topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True,
+            max_position_embeddings=512, bos_token_id=None, eos_token_id=None,
+            pad_token_id=None, initializer_range=0.1)
+VARIANTS = {
+    "q-lora-interleaved": {},
+    # no q LoRA (q_proj), rotate-half RoPE, YaRN with mscale_all_dim (the softmax scale too)
+    "q-proj-yarn": dict(q_lora_rank=None, rope_interleave=False, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 128, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "beta_fast": 32, "beta_slow": 1}),
+    "one-group-no-norm": dict(n_group=1, topk_group=1, norm_topk_prob=False, n_shared_experts=2,
+                              first_k_dense_replace=0),
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def deepseek(request, tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.DeepseekV3Config(**{**BASE, **VARIANTS[request.param]})
+    hf = transformers.DeepseekV3ForCausalLM(config).float().eval()
+    with torch.no_grad():  # a bias that changes which experts win
+        for layer in hf.model.layers[config.first_k_dense_replace:]:
+            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+    path = tmp_path_factory.mktemp(request.param)
+    hf.save_pretrained(path)
+    return str(path), hf
+
+
+def test_logits_match_through_chunked_prefill(deepseek):
+    path, hf = deepseek
+    llm = LLM(path, dtype="float32", max_model_len=256, block_size=8)
+    ids = random_prompts(1, 60, 60, seed=1)[0]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    got = llm.engine.compute_logits(ids, chunk_size=13)  # history read back from the cache
+    assert (got - expected).abs().max() < 1e-4
+
+
+def test_greedy_alone_batched_chunked_cached_and_preempted(deepseek):
+    path, hf = deepseek
+    prompts = random_prompts(8, 3, 45, seed=2)
+    expected = [hf_greedy(hf, p, NEW) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    llm = LLM(path, dtype="float32", max_model_len=256, block_size=8, max_num_seqs=8,
+              max_num_batched_tokens=16)
+    alone = llm.generate(inputs[0], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert alone == expected[0]
+    outs = llm.generate(inputs, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    outs = llm.generate(inputs, params, use_tqdm=False)  # prompts' blocks from the cache
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert sum(o.num_cached_tokens for o in outs) > 0
+    per_token = latent_bytes_per_token(3, 32 + 8, torch.float32)
+    small = LLM(path, dtype="float32", max_model_len=256, block_size=8, max_num_seqs=8,
+                kv_cache_memory=40 * 8 * per_token)  # 320 tokens for 8 x up to 77
+    outs = small.generate(inputs, params, use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    for engine in (llm.engine, small.engine):
+        assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_the_cache_holds_latents_only(deepseek):
+    path, _ = deepseek
+    llm = LLM(path, dtype="float32", max_model_len=256, block_size=8)
+    cache = llm.engine.runner.kv_cache
+    assert cache.latent and cache.v == [] and cache.k[0].shape[-2:] == (1, 32 + 8)
+    # 3 layers x (kv_lora_rank 32 + rope 8) x 4 bytes; expanded K and V would be
+    # 3 x 2 x 4 heads x 24 (K) / 16 (V) dims x 4 bytes = 1,920
+    assert llm.engine.kv_plan.bytes_per_token == 480 == cache.bytes_per_token
+
+
+def test_refusals(deepseek):
+    path, _ = deepseek
+    with pytest.raises(ValueError, match="MLA latents.*kv_cache_dtype must be 'auto'"):
+        LLM(path, dtype="float32", kv_cache_dtype="int8")
+    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM is not sharded"):
+        LLM(path, dtype="float32", tensor_parallel_size=2)
