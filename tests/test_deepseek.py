@@ -97,3 +97,19 @@ def test_refusals(deepseek):
         LLM(path, dtype="float32", kv_cache_dtype="int8")
     with pytest.raises(ValueError, match="DeepseekV3ForCausalLM is not sharded"):
         LLM(path, dtype="float32", tensor_parallel_size=2)
+
+
+def test_absorbed_and_expanded_decode_agree(deepseek):
+    path, _ = deepseek
+    prompts = random_prompts(3, 5, 40, seed=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    llm = LLM(path, dtype="float32", max_model_len=256, block_size=8)
+    absorbed = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for module in llm.engine.runner.model.modules():
+        if hasattr(module, "absorb"):
+            module.absorb = False
+    expanded = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for a, e in zip(absorbed, expanded):
+        assert a.outputs[0].token_ids == e.outputs[0].token_ids
+        for la, le, t in zip(a.outputs[0].logprobs, e.outputs[0].logprobs, a.outputs[0].token_ids):
+            assert abs(la[t].logprob - le[t].logprob) < 1e-4

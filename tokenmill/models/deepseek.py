@@ -86,6 +86,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = Weight(m.kv_lora_rank, self.heads * (m.qk_nope_head_dim + m.v_head_dim))
         self.o_proj = Linear(self.heads * m.v_head_dim, [hidden], bias)
         self.scale = cfg.attention_scale
+        self.absorb = True  # decode in latent space (False: expand the history, to compare)
 
     def forward(self, x, positions, rotary: RotaryEmbedding, ctx: AttentionContext):
         m, t, h = self.m, x.shape[0], self.heads
@@ -105,7 +106,8 @@ class MLAttention(nn.Module):
         out = x.new_empty(t, h, m.v_head_dim)
         d = ctx.num_decode_tokens
         if d:
-            out[:d] = self._absorbed(q_nope[:d], q_rope[:d], pages, ctx)
+            decode = self._absorbed if self.absorb else self._expanded_decode
+            out[:d] = decode(q_nope[:d], q_rope[:d], pages, ctx)
         for chunk in ctx.prefills:
             s, e = chunk.start, chunk.end
             out[s:e] = self._expanded(q_nope[s:e], q_rope[s:e], pages, chunk)
@@ -127,6 +129,20 @@ class MLAttention(nn.Module):
         allowed = ctx.decode_mask(None)[:, 0]  # (rows, 1, S)
         probs = scores.masked_fill(~allowed, -math.inf).softmax(-1).to(c.dtype)
         return torch.einsum("thr,hvr->thv", torch.einsum("ths,tsr->thr", probs, c), w_uv)
+
+    def _expanded_decode(self, q_nope, q_rope, pages, ctx) -> torch.Tensor:
+        """Decode rows the naive way, for benchmarks/mla_decode.py: every cached latent
+        expanded to per-head K and V (heads x (qk + v) values per token), then attention."""
+        m, rows = self.m, q_nope.shape[0]
+        kv = pages[ctx.decode_block_tables].reshape(rows, -1, pages.shape[-1])
+        c, k_rope = kv.split([m.kv_lora_rank, m.qk_rope_head_dim], -1)
+        k_nope, v = F.linear(c, self.kv_b_proj.weight).unflatten(-1, (self.heads, -1)).split(
+            [m.qk_nope_head_dim, m.v_head_dim], -1)  # (rows, S, heads, dn / dv)
+        scores = (torch.einsum("thd,tshd->ths", q_nope, k_nope)
+                  + torch.einsum("thd,tsd->ths", q_rope, k_rope)).float() * self.scale
+        allowed = ctx.decode_mask(None)[:, 0]
+        probs = scores.masked_fill(~allowed, -math.inf).softmax(-1).to(c.dtype)
+        return torch.einsum("ths,tshv->thv", probs, v)
 
     def _expanded(self, q_nope, q_rope, pages, chunk) -> torch.Tensor:
         """A prefill chunk: its history's latents expanded to per-head K and V, causal SDPA."""
