@@ -113,3 +113,44 @@ def test_absorbed_and_expanded_decode_agree(deepseek):
         assert a.outputs[0].token_ids == e.outputs[0].token_ids
         for la, le, t in zip(a.outputs[0].logprobs, e.outputs[0].logprobs, a.outputs[0].token_ids):
             assert abs(la[t].logprob - le[t].logprob) < 1e-4
+
+
+def test_fp8_block_checkpoint(tmp_path):
+    """DeepSeek's published layout: e4m3 linear weights with a float32 scale per 8 x 8 block
+    here (128 x 128 in V3) in weight_scale_inv; the result equals transformers running the
+    dequantized weights."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    torch.manual_seed(0)
+    hf = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**BASE)).float()
+    hf.save_pretrained(tmp_path / "float")  # the published per-expert names
+    fp8, dequantized, block = {}, {}, 8
+    for name, w in load_file(str(tmp_path / "float" / "model.safetensors")).items():
+        dequantized[name] = fp8[name] = w
+        if w.dim() == 2 and "proj" in name:  # the linear layers; not embeddings, norms, router
+            blocks = w.unflatten(0, (-1, block)).unflatten(2, (-1, block))  # (n/b, b, k/b, b)
+            scale = blocks.abs().amax(dim=(1, 3)) / 448  # e4m3's largest value
+            q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+            fp8[name] = q.flatten(2).flatten(0, 1)
+            fp8[name.replace(".weight", ".weight_scale_inv")] = scale
+            dequantized[name] = (q.float() * scale[:, None, :, None]).flatten(2).flatten(0, 1)
+    config = json.loads((tmp_path / "float" / "config.json").read_text())
+    for folder, tensors in (("fp8", fp8), ("reference", dequantized)):
+        (tmp_path / folder).mkdir()
+        if folder == "fp8":
+            config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3",
+                                             "activation_scheme": "dynamic",
+                                             "weight_block_size": [block, block]}
+        (tmp_path / folder / "config.json").write_text(json.dumps(config))
+        save_file(tensors, str(tmp_path / folder / "model.safetensors"))
+    config.pop("quantization_config")
+    (tmp_path / "reference" / "config.json").write_text(json.dumps(config))
+    reference = transformers.DeepseekV3ForCausalLM.from_pretrained(
+        tmp_path / "reference", dtype=torch.float32).eval()
+    ids = random_prompts(1, 30, 30, seed=5)[0]
+    with torch.no_grad():
+        expected = reference(torch.tensor([ids])).logits[0]
+    llm = LLM(str(tmp_path / "fp8"), dtype="float32", max_model_len=256)
+    assert (llm.engine.compute_logits(ids) - expected).abs().max() < 1e-4

@@ -26,10 +26,11 @@ from collections.abc import Iterator
 import torch
 
 from tokenmill.quantization import BLOCK, BlockQuant
+from tokenmill.quantization.fp8_blocks import FP8_DTYPES, FP8Blocks
 
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 SUPPORTED = "awq (gemm, 4 bits), gptq (4/8 bits), compressed-tensors (pack-quantized / " \
-            "int-quantized, symmetric int 4/8 bits)"
+            "int-quantized, symmetric int 4/8 bits), fp8 (e4m3 with block scales, dequantized)"
 
 
 def unpack(packed: torch.Tensor, bits: int, dim: int, order: list[int] | None = None):
@@ -183,7 +184,7 @@ class CompressedTensors(Format):
         return block_quant(codes, s, float(offset), groups, self.bits, perm)
 
 
-FORMATS = {"awq": AWQ, "gptq": GPTQ, "compressed-tensors": CompressedTensors}
+FORMATS = {"awq": AWQ, "gptq": GPTQ, "compressed-tensors": CompressedTensors, "fp8": FP8Blocks}
 
 
 def checkpoint_format(hf_config: dict) -> Format | None:
@@ -206,7 +207,8 @@ def read(fmt: Format, weights: Iterator[tuple[str, torch.Tensor]]
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         prefix, _, part = name.rpartition(".")
-        if part not in fmt.parts or (part == "weight" and tensor.is_floating_point()):
+        if part not in fmt.parts or (part == "weight" and tensor.is_floating_point()
+                                     and tensor.dtype not in FP8_DTYPES):
             yield name, tensor
         else:
             pending.setdefault(prefix, {})[part] = tensor
