@@ -1,4 +1,4 @@
-"""DeepSeek V3 (MLA + MoE) against transformers on tiny random checkpoints, float32: logits
+"""DeepSeek V2 and V3 (MLA + MoE) against transformers on tiny random checkpoints, float32: logits
 within 1e-4 through chunked prefill, 32 greedy tokens identical alone and in a batch of 8 with
 chunked prefill, prefix caching and preemption; the cache holds only latents."""
 
@@ -30,17 +30,26 @@ VARIANTS = {
         "beta_fast": 32, "beta_slow": 1}),
     "one-group-no-norm": dict(n_group=1, topk_group=1, norm_topk_prob=False, n_shared_experts=2,
                               first_k_dense_replace=0),
+    # DeepSeek V2: softmax routing, greedy or limited to the groups with the best expert
+    "v2-greedy": dict(v2=True, topk_method="greedy"),
+    "v2-group-limited": dict(v2=True, topk_method="group_limited_greedy", q_lora_rank=None),
 }
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def deepseek(request, tmp_path_factory):
     torch.manual_seed(0)
-    config = transformers.DeepseekV3Config(**{**BASE, **VARIANTS[request.param]})
-    hf = transformers.DeepseekV3ForCausalLM(config).float().eval()
-    with torch.no_grad():  # a bias that changes which experts win
+    overrides = dict(VARIANTS[request.param])
+    v2 = overrides.pop("v2", False)
+    config_cls, model_cls = ((transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM)
+                             if v2 else
+                             (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM))
+    config = config_cls(**{**BASE, **overrides})
+    hf = model_cls(config).float().eval()
+    with torch.no_grad():  # V3: a bias that changes which experts win
         for layer in hf.model.layers[config.first_k_dense_replace:]:
-            layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
+            if not v2:
+                layer.mlp.gate.e_score_correction_bias.normal_(0, 0.05)
     path = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(path)
     return str(path), hf
@@ -95,7 +104,7 @@ def test_refusals(deepseek):
     path, _ = deepseek
     with pytest.raises(ValueError, match="MLA latents.*kv_cache_dtype must be 'auto'"):
         LLM(path, dtype="float32", kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="DeepseekV3ForCausalLM is not sharded"):
+    with pytest.raises(ValueError, match="DeepseekV[23]ForCausalLM is not sharded"):
         LLM(path, dtype="float32", tensor_parallel_size=2)
 
 

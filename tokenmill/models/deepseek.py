@@ -1,6 +1,7 @@
-"""DeepSeek V3: Multi-head Latent Attention (MLA) over a latent paged cache, and a mixture of
-experts with shared experts and group-limited top-k routing (sigmoid scores with a bias that
-only steers the choice), dense MLPs in the first layers, YaRN RoPE.
+"""DeepSeek V2 and V3: Multi-head Latent Attention (MLA) over a latent paged cache, and a
+mixture of experts with shared experts and (group-limited) top-k routing, dense MLPs in the
+first layers, YaRN RoPE. V3 routes on sigmoid scores with a bias that only steers the choice
+(noaux_tc); V2 on softmax scores, greedy or group-limited by each group's best expert.
 
 MLA (DeepSeek-V2 paper, section 2.1). Per token and layer the cache keeps one latent:
 c = norm(x W_DKV) (kv_lora_rank values) and the decoupled RoPE key k_r (qk_rope_head_dim
@@ -57,6 +58,7 @@ class MoE:
     routed_scaling_factor: float
     norm_topk_prob: bool
     first_k_dense_replace: int
+    topk_method: str  # "noaux_tc" (V3), "greedy" or "group_limited_greedy" (V2)
 
 
 class Weight(nn.Module):
@@ -165,20 +167,26 @@ def _deinterleave(x: torch.Tensor) -> torch.Tensor:
 
 
 class Router(nn.Module):
-    """Sigmoid scores; the choice adds e_score_correction_bias, keeps the topk_group groups
-    with the best two-expert sums, then the top k experts; weights are the unbiased scores,
-    normalized and scaled (DeepSeek-V3's noaux_tc, in float32 as transformers)."""
+    """V3 (noaux_tc): sigmoid scores; the choice adds e_score_correction_bias, keeps the
+    topk_group groups with the best two-expert sums, then the top k experts; the weights are
+    the unbiased scores, normalized and scaled. V2: softmax scores, the top k (greedy), or the
+    top k of the topk_group groups with the best single expert; weights scaled only. In
+    float32, as transformers."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.moe: MoE = cfg.family["moe"]
         e = self.moe.n_routed_experts
         self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size), requires_grad=False)
-        self.e_score_correction_bias = nn.Parameter(torch.empty(e), requires_grad=False)
+        if self.moe.topk_method == "noaux_tc":
+            self.e_score_correction_bias = nn.Parameter(torch.empty(e), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         moe = self.moe
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (tokens, experts)
+        logits = F.linear(x.float(), self.weight.float())  # (tokens, experts)
+        if moe.topk_method != "noaux_tc":
+            return self._v2(logits.softmax(-1))
+        scores = logits.sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         groups = choice.view(len(x), moe.n_group, -1)
         best = groups.topk(2, dim=-1).values.sum(-1).topk(moe.topk_group, dim=-1).indices
@@ -188,6 +196,16 @@ class Router(nn.Module):
         weights = scores.gather(1, index)
         if moe.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, index
+
+    def _v2(self, scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        moe = self.moe
+        if moe.topk_method == "group_limited_greedy":
+            groups = scores.view(len(scores), moe.n_group, -1)
+            best = groups.max(-1).values.topk(moe.topk_group, dim=-1).indices
+            keep = torch.zeros_like(groups[..., 0]).scatter_(1, best, 1).bool()
+            scores = groups.masked_fill(~keep[..., None], 0.0).view(len(scores), -1)
+        weights, index = scores.topk(moe.num_experts_per_tok, dim=-1)
         return weights * moe.routed_scaling_factor, index
 
 
@@ -254,7 +272,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         load_packed(self, weights, PACKED)
 
 
-MODELS = {"DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
+MODELS = {"DeepseekV2ForCausalLM": DeepseekV3ForCausalLM,
+          "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM}
+TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
 
 
 def config_from_hf(arch: str, cfg: dict) -> ModelConfig:
@@ -267,7 +287,13 @@ def config_from_hf(arch: str, cfg: dict) -> ModelConfig:
     moe = MoE(cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
               cfg.get("n_shared_experts") or 0, cfg.get("n_group") or 1,
               cfg.get("topk_group") or 1, cfg.get("routed_scaling_factor", 1.0),
-              cfg.get("norm_topk_prob", True), cfg.get("first_k_dense_replace", 0))
+              cfg.get("norm_topk_prob", True), cfg.get("first_k_dense_replace", 0),
+              cfg.get("topk_method") or ("noaux_tc" if arch == "DeepseekV3ForCausalLM"
+                                         else "greedy"))
+    if moe.topk_method not in TOPK_METHODS or (arch == "DeepseekV2ForCausalLM") == (
+            moe.topk_method == "noaux_tc"):
+        raise ValueError(f"{arch} with topk_method {moe.topk_method!r} is not supported "
+                         f"(V2: greedy, group_limited_greedy; V3: noaux_tc)")
     qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
     scale = qk ** -0.5
     if scaling and scaling.get("mscale_all_dim"):  # YaRN: the softmax scale grows too

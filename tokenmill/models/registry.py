@@ -21,6 +21,7 @@ _FAMILY_OF_ARCHITECTURE = {
     "GPT2LMHeadModel": _GPT2,
     "Phi3ForCausalLM": "tokenmill.models.phi3",
     "Gemma3ForCausalLM": _GEMMA3,
+    "DeepseekV2ForCausalLM": "tokenmill.models.deepseek",
     "DeepseekV3ForCausalLM": "tokenmill.models.deepseek",
 }
 _FAMILY_OF_GGUF_ARCHITECTURE = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
@@ -40,6 +41,7 @@ _CAUSAL_LM_OF_MODEL_TYPE = {
     "gpt2": "GPT2LMHeadModel",
     "phi3": "Phi3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 
