@@ -163,3 +163,17 @@ def test_fp8_block_checkpoint(tmp_path):
         expected = reference(torch.tensor([ids])).logits[0]
     llm = LLM(str(tmp_path / "fp8"), dtype="float32", max_model_len=256)
     assert (llm.engine.compute_logits(ids) - expected).abs().max() < 1e-4
+
+
+def test_kv_memory_calculator_equals_the_engine(deepseek):
+    """`tokenmill kv-memory` reads config.json alone; its MLA bytes per token are what the
+    engine allocates per token."""
+    from tokenmill.kv_memory import load_shape, report
+
+    path, _ = deepseek
+    shape = load_shape(path)
+    rows = {r["kv_dtype"]: r for r in report(shape, 512, 1, None)}
+    llm = LLM(path, dtype="float32", max_model_len=256, block_size=8)
+    assert rows["float32"]["bytes_per_token"] == llm.engine.kv_plan.bytes_per_token == 480
+    assert rows["float32"]["mha_bytes_per_token"] == 3 * 4 * (24 + 16) * 4  # expanded K + V
+    assert set(rows) == {"float32", "bfloat16"}  # latents stay in the model's dtype

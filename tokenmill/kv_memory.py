@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from tokenmill.layers.kv_cache import kv_bytes_per_token
+from tokenmill.layers.kv_cache import kv_bytes_per_token, latent_bytes_per_token
 from tokenmill.layers.kv_quant import KV_FORMATS
 from tokenmill.models.config import ModelConfig
 
@@ -23,6 +23,21 @@ class Shape:
     max_len: int
     sliding_window: int | None = None
     sliding_layers: int = 0  # layers using the window; the others keep the whole history
+    latent_dim: int | None = None  # MLA: one latent of this many values per token per layer
+    expanded_dims: int = 0  # MLA: per head, the K + V dims the latent stands for
+
+    def bytes_per_token(self, dtype, layers: int | None = None) -> int:
+        layers = self.num_layers if layers is None else layers
+        if self.latent_dim:
+            return latent_bytes_per_token(layers, self.latent_dim, dtype)
+        return kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, dtype)
+
+    def mha_bytes_per_token(self, dtype) -> int:
+        """Per-head K and V for every attention head (for MLA: the expanded K and V)."""
+        if self.latent_dim:
+            return latent_bytes_per_token(self.num_layers, self.num_heads * self.expanded_dims,
+                                          dtype)
+        return kv_bytes_per_token(self.num_layers, self.num_heads, self.head_dim, dtype)
 
     @property
     def full_layers(self) -> int:
@@ -46,8 +61,11 @@ def shape_from_config(name: str, cfg: ModelConfig) -> Shape:
     groups = cfg.kv_cache_groups()
     sliding = groups[-1][0] if groups[-1][1] is not None else []
     window = groups[-1][1] if sliding else None
+    mla = cfg.family.get("mla")
     return Shape(name, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
-                 cfg.head_dim, cfg.max_position_embeddings, window, len(sliding))
+                 cfg.head_dim, cfg.max_position_embeddings, window, len(sliding),
+                 cfg.kv_latent_dim, mla.qk_nope_head_dim + mla.qk_rope_head_dim
+                 + mla.v_head_dim if mla else 0)
 
 
 def load_shape(model: str) -> Shape:
@@ -80,9 +98,11 @@ def report(shape: Shape, context: int, batch: int, memory: int | None,
     rows = []
     full, window = held_tokens(shape, context, block_size)
     for dtype in KV_FORMATS:
-        per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype)
-        mha = kv_bytes_per_token(shape.num_layers, shape.num_heads, shape.head_dim, dtype)
-        per_layer = kv_bytes_per_token(1, shape.num_kv_heads, shape.head_dim, dtype)
+        if shape.latent_dim and dtype != "bfloat16" and dtype != "float32":
+            continue  # MLA latents stay in the model's dtype (engine/cache_config.py)
+        per_token = shape.bytes_per_token(dtype)
+        mha = shape.mha_bytes_per_token(dtype)
+        per_layer = shape.bytes_per_token(dtype, 1)
         per_context = (shape.full_layers * full + shape.sliding_layers * window) * per_layer
         row = {"kv_dtype": dtype, "bytes_per_token": per_token, "mha_bytes_per_token": mha,
                "per_context_bytes": per_context, "per_batch_bytes": per_context * batch}
@@ -95,8 +115,11 @@ def report(shape: Shape, context: int, batch: int, memory: int | None,
 
 def formula(shape: Shape) -> str:
     """The bfloat16 per-token arithmetic, spelled out."""
-    per_token = kv_bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                                   "bfloat16")
+    per_token = shape.bytes_per_token("bfloat16")
+    if shape.latent_dim:
+        return (f"{shape.num_layers} layers x {shape.latent_dim} latent values (MLA: "
+                f"kv_lora_rank + rope dims, no K/V heads) x 2 bytes (bfloat16) = "
+                f"{per_token:,} bytes")
     return (f"2 (K,V) x {shape.num_layers} layers x {shape.num_kv_heads} kv_heads x "
             f"{shape.head_dim} head_dim x 2 bytes (bfloat16) = {per_token:,} bytes")
 
@@ -117,8 +140,10 @@ def print_report(shape: Shape, context: int, batch: int, memory: int | None,
                           "memory": memory, "block_size": block_size, "rows": rows}))
         return
     gqa = shape.num_heads // shape.num_kv_heads
-    print(f"{shape.name}: {shape.num_layers} layers, {shape.num_heads} heads, "
-          f"{shape.num_kv_heads} KV heads (GQA x{gqa}), head_dim {shape.head_dim}"
+    kv = (f"MLA: one {shape.latent_dim}-value latent per token and layer for all heads"
+          if shape.latent_dim else
+          f"{shape.num_kv_heads} KV heads (GQA x{gqa}), head_dim {shape.head_dim}")
+    print(f"{shape.name}: {shape.num_layers} layers, {shape.num_heads} heads, {kv}"
           + (f", sliding window {shape.sliding_window} on {shape.sliding_layers} of them"
              if shape.sliding_window else ""))
     print(f"per token: {formula(shape)}")
