@@ -159,7 +159,12 @@ def print_report(shape: Shape, context: int, batch: int, memory: int | None,
         if memory is not None:
             line += [f"{r['max_sequences']:,}", f"{r['tokens_in_budget']:,}"]
         table.append(line)
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    print_table(table)
+
+
+def print_table(table: list[list[str]]) -> None:
+    """A header row, a rule, then the rows: the first column left-aligned, the others right."""
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     for i, r in enumerate(table):
         print("  ".join(c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths))))
         if i == 0:
