@@ -31,7 +31,7 @@ from tokenmill.layers.linear import Linear, embedding
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, yarn_mscale
 from tokenmill.models.config import ModelConfig, as_list
-from tokenmill.models.llama import LlamaForCausalLM, LlamaMLP
+from tokenmill.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 from tokenmill.models.loading import load_packed
 
 PACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -229,23 +229,17 @@ class DeepseekMoE(nn.Module):
         return out + self.shared_experts(x)
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm residual block (its forward) with MLA and, past the dense first
+    layers, the MoE."""
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)
         self.self_attn = MLAttention(cfg, layer_idx)
         dense = layer_idx < cfg.family["moe"].first_k_dense_replace
         self.mlp = LlamaMLP(cfg) if dense else DeepseekMoE(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, residual, positions, rotary, ctx):
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rotary, ctx)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
 
 
 class DeepseekModel(nn.Module):
