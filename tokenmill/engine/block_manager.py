@@ -7,8 +7,11 @@ Free blocks wait in one LRU queue: never-cached blocks at the front (used first)
 the back in the order they were freed, so the least recently used cached block is evicted first.
 
 A manager owns one pool and manages block table number `group` of each sequence (see
-kv_manager.py for models with two pools). The group-0 manager also keeps the sequence's chained
-block hashes and its computed-token counter; other groups read them.
+kv_manager.py for models with several pools). The group-0 manager also keeps the sequence's
+chained block hashes and its computed-token counter; other groups read them. A compressed pool
+(DeepSeek V4) holds one slot per `rate` tokens: its block of block_size slots covers
+block_size x rate tokens, a whole number (`stride`) of group 0's blocks, and is cached under
+the hash of the last of them.
 """
 
 from __future__ import annotations
@@ -38,10 +41,16 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 group: int = 0):
+                 group: int = 0, rate: int = 1, token_block_size: int | None = None):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
-        self.block_size = block_size
+        self.block_size = block_size  # slots per block
+        self.rate = rate  # tokens per slot
+        self.token_block_size = token_block_size or block_size  # group 0's, the hash chain's
+        self.stride = block_size * rate // self.token_block_size
+        if self.stride * self.token_block_size != block_size * rate:
+            raise ValueError(f"a block of {block_size} x {rate} tokens is not a whole number "
+                             f"of {self.token_block_size}-token blocks")
         self.enable_prefix_caching = enable_prefix_caching
         self.group = group
         self.primary = group == 0
@@ -76,7 +85,9 @@ class BlockManager:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        """Blocks holding the slots of num_tokens tokens (a compressed pool: of its complete
+        windows)."""
+        return -(-(num_tokens // self.rate) // self.block_size)
 
     # ---- prefix cache -----------------------------------------------------------------------
     def lookup_prefix(self, seq: Sequence) -> list[int]:
@@ -96,12 +107,13 @@ class BlockManager:
         (kv_manager.py), so the list goes on past the first block that is not cached."""
         if not self.enable_prefix_caching or seq.params.prompt_logprobs is not None:
             return []
-        bs = self.block_size
+        bs = self.token_block_size
         found: list[int | None] = []
         parent = None
         for i in range((seq.num_tokens - 1) // bs):
             parent = hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs])
-            found.append(self._cached.get(parent))
+            if (i + 1) % self.stride == 0:
+                found.append(self._cached.get(parent))
         return found
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
@@ -109,23 +121,28 @@ class BlockManager:
         self.num_hit_tokens += num_hit_tokens
 
     # ---- allocation -------------------------------------------------------------------------
-    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> int:
-        """Free blocks that allocate(seq, num_new_tokens, hits) would consume."""
-        total = self._base(seq, hits) + num_new_tokens
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (),
+                          hit_tokens: int = 0) -> int:
+        """Free blocks that allocate(seq, num_new_tokens, hits) would consume. hit_tokens:
+        the prefix the hits serve (a compressed pool's hits cover up to it)."""
+        total = self._base(seq, hits, hit_tokens) + num_new_tokens
         fresh = self.blocks_for_tokens(total) - len(self.table(seq)) - len(hits)
         revived = sum(1 for b in hits if b != NULL_BLOCK and self.blocks[b].ref_count == 0)
         return max(fresh, 0) + revived
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> bool:
-        return self.num_blocks_needed(seq, num_new_tokens, hits) <= self.num_free_blocks
+    def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (),
+                     hit_tokens: int = 0) -> bool:
+        return self.num_blocks_needed(seq, num_new_tokens, hits, hit_tokens) <= (
+            self.num_free_blocks)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = ()) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (),
+                 hit_tokens: int = 0) -> None:
         """Grow seq's block table to hold num_new_tokens more tokens. Cache hits (only for a
         sequence with no blocks yet) become its first blocks and count as computed; a
         sliding-window pool's hits may start with NULL_BLOCKs (blocks outside the window)."""
-        if not self.can_allocate(seq, num_new_tokens, hits):
+        if not self.can_allocate(seq, num_new_tokens, hits, hit_tokens):
             raise RuntimeError("allocate() called without enough free blocks")
-        total = self._base(seq, hits) + num_new_tokens
+        total = self._base(seq, hits, hit_tokens) + num_new_tokens
         if hits:
             assert not self.table(seq)
             for block_id in hits:
@@ -147,9 +164,11 @@ class BlockManager:
             hashes.append(parent)
         return hashes
 
-    def _base(self, seq: Sequence, hits) -> int:
+    def _base(self, seq: Sequence, hits, hit_tokens: int = 0) -> int:
         """Tokens already held before an allocation: cache hits, or what is computed."""
-        return len(hits) * self.block_size if hits else seq.num_computed_tokens
+        if hit_tokens:
+            return hit_tokens
+        return len(hits) * self.block_size * self.rate if hits else seq.num_computed_tokens
 
     def commit(self, seq: Sequence) -> None:
         """Register the full blocks seq has computed so far, so later sequences can reuse them
@@ -167,10 +186,13 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table = self.table(seq)
-        for i in range(start, end):
+        for c in range(start, end):  # c: a block of the hash chain; i: this pool's block
+            if (c + 1) % self.stride:
+                continue
+            i = (c + 1) // self.stride - 1
             if table[i] == NULL_BLOCK:
                 continue
-            block, block_hash = self.blocks[table[i]], seq.block_hashes[i]
+            block, block_hash = self.blocks[table[i]], seq.block_hashes[c]
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block.block_id
@@ -179,8 +201,9 @@ class BlockManager:
         """Give child the parent's full prompt blocks (shared, ref-counted). The child recomputes
         the partial last block itself, so no block is ever written by two sequences."""
         assert not self.table(child)
-        num_full = min(parent.num_computed_tokens, parent.num_prompt_tokens) // self.block_size
-        shared = self.table(parent)[:num_full]
+        num_full = min(parent.num_computed_tokens, parent.num_prompt_tokens) // (
+            self.token_block_size)
+        shared = self.table(parent)[:num_full // self.stride]
         for block_id in shared:
             if block_id != NULL_BLOCK:
                 self._take(block_id)

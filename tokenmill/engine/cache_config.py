@@ -47,22 +47,32 @@ class KVCachePlan:
 
     @property
     def bytes_per_token(self) -> int:
-        """Bytes of one token held in every group (all layers' K and V)."""
-        return sum(g.bytes_per_token for g in self.groups)
+        """Bytes of one token held in every group (all layers' K and V; a compressed pool's
+        entry bytes divided by its rate)."""
+        return sum(g.bytes_per_token // g.rate for g in self.groups)
 
     @property
     def num_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """Tokens of history the cache holds (a pooled cache: its compressed pools cover)."""
+        full = [g.num_blocks * g.tokens_per_block(self.block_size) for g in self.groups
+                if g.rate > 1]
+        return min(full) if full else self.num_blocks * self.block_size
 
     @property
     def nbytes(self) -> int:
-        return sum(g.num_blocks * self.block_size * g.bytes_per_token for g in self.groups)
+        return sum(g.num_blocks * g.block_bytes(self.block_size) for g in self.groups)
 
     def describe(self) -> str:
+        def kind(g: CacheGroup) -> str:
+            if g.rate > 1:
+                return f"compressed (1 entry / {g.rate} tokens)"
+            return "sliding-window" if g.window else "full-attention"
+
         pools = "; ".join(
-            f"{len(g.layers)} {'sliding-window' if g.window else 'full-attention'} layers: "
-            f"{g.num_blocks} blocks x {self.block_size} = {g.num_blocks * self.block_size} "
-            f"tokens, {g.bytes_per_token} bytes/token" for g in self.groups)
+            f"{len(g.layers)} {kind(g)} layers: {g.num_blocks} blocks x "
+            f"{g.tokens_per_block(self.block_size)} = "
+            f"{g.num_blocks * g.tokens_per_block(self.block_size)} tokens, {g.bytes_per_token} "
+            f"bytes/{'entry' if g.rate > 1 else 'token'}" for g in self.groups)
         return (f"KV cache ({self.nbytes / 2**20:.1f} MiB, {self.kv_dtype}): {pools}; "
                 f"max_model_len {self.max_model_len}")
 
@@ -84,6 +94,8 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
         )
     kv_dtype = kv_dtype_for(config, model_dtype)
     bs = config.block_size
+    if "v4" in mc.family:
+        return _pooled_plan(config, mc, model_dtype, max_len, device)
     specs = mc.kv_cache_groups()
     if mc.kv_latent_dim and config.kv_cache_dtype != "auto":
         raise ValueError(f"{mc.architecture} caches MLA latents, which tokenmill keeps in the "
@@ -105,6 +117,10 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
         logger.warning("max_model_len lowered from %d to %d: the KV cache holds only %d tokens",
                        max_len, blocks[0] * bs, blocks[0] * bs)
         max_len = blocks[0] * bs
+    return KVCachePlan(groups, bs, kv_dtype, max_len, _batched_tokens(config, max_len))
+
+
+def _batched_tokens(config: EngineConfig, max_len: int) -> int:
     batched = config.max_num_batched_tokens
     if batched is None:
         batched = DEFAULT_CHUNK_TOKENS if config.enable_chunked_prefill else max(
@@ -114,7 +130,67 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
             f"without chunked prefill, max_num_batched_tokens ({batched}) must be >= "
             f"max_model_len ({max_len})"
         )
-    return KVCachePlan(groups, bs, kv_dtype, max_len, batched)
+    return batched
+
+
+def _budget(config: EngineConfig, wanted: int, device: torch.device) -> int:
+    if config.kv_cache_memory is not None:
+        check_kv_budget(config.kv_cache_memory, device)
+        return config.kv_cache_memory
+    budget = int(available_memory(device) * DEFAULT_MEMORY_FRACTION)
+    if device.type == "cpu":
+        budget = min(budget, DEFAULT_CPU_KV_BYTES)
+    if budget < wanted:
+        logger.info("KV cache capped at %.1f GiB (max_num_seqs x max_model_len would need "
+                    "%.1f GiB): pass kv_cache_memory to change it", budget / 2**30,
+                    wanted / 2**30)
+    return min(budget, wanted)
+
+
+def _pooled_plan(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max_len: int,
+                 device: torch.device) -> KVCachePlan:
+    """DeepSeek V4's pools (models/deepseek_v4.py cache_pools): the raw pool gets what
+    max_num_seqs sequences' windows need, twice over (as a sliding pool, for prefix hits), at
+    most half the budget; the compressed pools share the rest so that all fill at the same
+    number of tokens."""
+    from tokenmill.models.deepseek_v4 import cache_pools
+
+    if config.kv_cache_dtype != "auto":
+        raise ValueError(f"{mc.architecture} keeps its compressed caches in the model's dtype: "
+                         f"kv_cache_dtype must be 'auto', got {config.kv_cache_dtype!r}")
+    bs = config.block_size
+    pools = cache_pools(mc, bs)
+    spb = [bs if p["rate"] == 1 else max(1, bs // p["rate"]) for p in pools]
+    slot = [sum(p["widths"]) * dtype.itemsize for p in pools]
+    tpb = [n * p["rate"] for n, p in zip(spb, pools)]  # tokens per block
+    raw_per_seq = 2 * (-(-pools[0]["window"] // bs) + 2)
+    need = [raw_per_seq] + [-(-max_len // t) for t in tpb[1:]]
+    budget = _budget(config, config.max_num_seqs * sum(
+        n * s * k for n, s, k in zip(need, slot, spb)), device)
+    raw_bytes = slot[0] * bs
+    blocks = [max(1, min(config.max_num_seqs * raw_per_seq * raw_bytes,
+                         budget // 2 if len(pools) > 1 else budget) // raw_bytes)]
+    rest = budget - blocks[0] * raw_bytes
+    per_token = sum(s / p["rate"] for s, p in zip(slot[1:], pools[1:]))
+    tokens = rest / per_token if per_token else 0
+    blocks += [int(tokens // t) for t in tpb[1:]]
+    if min(blocks) < 1:
+        raise ValueError(f"kv_cache_memory ({budget} bytes) is too small for one block of "
+                         f"each of {mc.architecture}'s cache pools")
+    held = min((n * t for n, t in zip(blocks[1:], tpb[1:])), default=max_len)
+    if held < max_len:
+        if config.max_model_len is not None:
+            raise NotEnoughMemory(
+                f"max_model_len ({max_len}) does not fit the KV budget ({gib(budget)}), whose "
+                f"compressed pools hold {held} tokens: raise --kv-cache-memory or lower "
+                f"--max-model-len")
+        logger.warning("max_model_len lowered from %d to %d: the KV cache holds only %d tokens",
+                       max_len, held, held)
+        max_len = held
+    groups = tuple(CacheGroup(p["layers"], p["window"], n, s, p["rate"], k, tuple(p["widths"]))
+                   for p, n, s, k in zip(pools, blocks, slot, spb))
+    return KVCachePlan(groups, bs, kv_format(dtype).name, max_len,
+                       _batched_tokens(config, max_len))
 
 
 def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], max_len: int,
@@ -129,18 +205,7 @@ def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], max_len: 
                for _, window in specs]
     per_seq[1:] = [2 * n for n in per_seq[1:]]
     wanted = sum(config.max_num_seqs * n * b for n, b in zip(per_seq, block_bytes))
-    if config.kv_cache_memory is not None:
-        budget = config.kv_cache_memory
-        check_kv_budget(budget, device)
-    else:
-        budget = int(available_memory(device) * DEFAULT_MEMORY_FRACTION)
-        if device.type == "cpu":
-            budget = min(budget, DEFAULT_CPU_KV_BYTES)
-        if budget < wanted:
-            logger.info("KV cache capped at %.1f GiB (max_num_seqs x max_model_len would need "
-                        "%.1f GiB): pass kv_cache_memory to change it", budget / 2**30,
-                        wanted / 2**30)
-        budget = min(budget, wanted)
+    budget = _budget(config, wanted, device)
     blocks = []
     if len(specs) == 2:  # the sliding pool: twice what max_num_seqs sequences need, <= half
         sliding = min(config.max_num_seqs * per_seq[1] * block_bytes[1], budget // 2)

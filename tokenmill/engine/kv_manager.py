@@ -1,8 +1,9 @@
 """The KV cache's block pools. Most models keep one pool for all layers. A model mixing
 sliding-window and full-attention layers keeps two: the full layers' blocks hold the whole
-history, the sliding layers' blocks are freed once they slide out of the window. Each pool is a
-BlockManager with its own block table per sequence; this class gives the scheduler one
-interface over all of them."""
+history, the sliding layers' blocks are freed once they slide out of the window. DeepSeek V4
+keeps a windowed pool of raw tokens and one compressed pool per compressed layer type (one
+slot per `rate` tokens). Each pool is a BlockManager with its own block table per sequence;
+this class gives the scheduler one interface over all of them."""
 
 from __future__ import annotations
 
@@ -17,7 +18,16 @@ class CacheGroup:
     layers: list[int]  # model layers whose K/V live in this pool
     window: int | None  # blocks entirely older than this many tokens are freed
     num_blocks: int
-    bytes_per_token: int  # K and V of this group's layers for one token
+    bytes_per_token: int  # K and V of this group's layers for one token (per slot, if rate > 1)
+    rate: int = 1  # tokens per slot: a compressed pool keeps one entry per `rate` tokens
+    slots_per_block: int | None = None  # None: the engine's block size
+    widths: tuple[int, ...] | None = None  # per layer, values per slot (a SlotCache pool)
+
+    def block_bytes(self, block_size: int) -> int:
+        return self.bytes_per_token * (self.slots_per_block or block_size)
+
+    def tokens_per_block(self, block_size: int) -> int:
+        return (self.slots_per_block or block_size) * self.rate
 
 
 class KVCacheManager:
@@ -25,7 +35,9 @@ class KVCacheManager:
                  enable_prefix_caching: bool = True) -> None:
         self.groups = groups
         self.block_size = block_size
-        self.managers = [BlockManager(g.num_blocks, block_size, enable_prefix_caching, group=i)
+        self.managers = [BlockManager(g.num_blocks, g.slots_per_block or block_size,
+                                      enable_prefix_caching, group=i, rate=g.rate,
+                                      token_block_size=block_size)
                          for i, g in enumerate(groups)]
 
     @property
@@ -41,10 +53,11 @@ class KVCacheManager:
         manager does: a shared system prompt longer than the window is still a hit. Linear in
         the prompt's blocks (this runs for the head of the waiting queue every step)."""
         found = [m.cached_prefix_blocks(seq) for m in self.managers]
-        longest = min(len(f) for f in found)
-        for f, g in zip(found, self.groups):  # a full pool: its leading run of hits
+        longest = len(found[0])  # in group 0's blocks; a compressed pool's cover `stride` each
+        for f, g, m in zip(found, self.groups, self.managers):  # a full pool: its leading hits
             if g.window is None:
-                longest = next((i for i, b in enumerate(f[:longest]) if b is None), longest)
+                run = next((i for i, b in enumerate(f) if b is None), len(f))
+                longest = min(longest, (run + 1) * m.stride - 1)
         # per sliding pool, the last missing block before each position
         last_missing = {}
         for i, (f, g) in enumerate(zip(found, self.groups)):
@@ -57,7 +70,8 @@ class KVCacheManager:
         for n in range(longest, 0, -1):
             firsts = [self._first_visible(n, g.window) for g in self.groups]
             if all(last_missing[i][n] < firsts[i] for i in last_missing):
-                return [[NULL_BLOCK] * first + f[first:n] for f, first in zip(found, firsts)]
+                return [[NULL_BLOCK] * first + f[first:n] if m.stride == 1 else f[:n // m.stride]
+                        for f, first, m in zip(found, firsts, self.managers)]
         return [[] for _ in self.managers]
 
     def _first_visible(self, n: int, window: int | None) -> int:
@@ -70,16 +84,18 @@ class KVCacheManager:
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits=None,
                      reserve: int = 0) -> bool:
         """Whether the tokens fit, with `reserve` blocks of every pool left free after."""
+        tokens = self.hit_tokens(hits)
         hits = hits or [()] * len(self.managers)
-        return all(m.num_blocks_needed(seq, num_new_tokens, h) + reserve <= m.num_free_blocks
-                   for m, h in zip(self.managers, hits))
+        return all(m.num_blocks_needed(seq, num_new_tokens, h, tokens) + reserve
+                   <= m.num_free_blocks for m, h in zip(self.managers, hits))
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hits=None) -> None:
         if not self.can_allocate(seq, num_new_tokens, hits):
             raise RuntimeError("allocate() called without enough free blocks")
+        tokens = self.hit_tokens(hits)
         hits = hits or [()] * len(self.managers)
         for m, h in reversed(list(zip(self.managers, hits))):  # group 0 (moves counters) last
-            m.allocate(seq, num_new_tokens, h)
+            m.allocate(seq, num_new_tokens, h, tokens)
 
     def record_prefix_query(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.primary.record_prefix_query(num_tokens, num_hit_tokens)
@@ -119,13 +135,13 @@ class KVCacheManager:
     @property
     def used_bytes(self) -> int:
         """Bytes of the blocks sequences hold (cached-but-free prefix blocks not counted)."""
-        return sum((m.num_blocks - m.num_free_blocks) * g.bytes_per_token * self.block_size
+        return sum((m.num_blocks - m.num_free_blocks) * g.block_bytes(self.block_size)
                    for m, g in zip(self.managers, self.groups))
 
     @property
     def usage(self) -> float:
         """Share of the cache's bytes held by sequences."""
-        total = sum(m.num_blocks * g.bytes_per_token * self.block_size
+        total = sum(m.num_blocks * g.block_bytes(self.block_size)
                     for m, g in zip(self.managers, self.groups))
         return self.used_bytes / total
 

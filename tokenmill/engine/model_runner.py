@@ -20,9 +20,11 @@ from tokenmill.engine.sequence import Sequence
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PrefillChunk
 from tokenmill.layers.kv_cache import KVCache
+from tokenmill.layers.kv_quant import kv_format
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.rejection_sampler import Span, verify
 from tokenmill.layers.sampler import GrammarMasks, Sampler, top_logprobs
+from tokenmill.layers.slot_cache import PooledChunk, PooledContext, SlotCache
 from tokenmill.models.config import ModelConfig
 
 
@@ -52,7 +54,10 @@ class ModelRunner:
         self.config = model_config
         self.device = device
         self.block_size = block_size
+        self.pooled = groups[0].widths is not None  # DeepSeek V4: layers/slot_cache.py
         self.kv_caches = [  # one per block pool (see engine/kv_manager.py)
+            SlotCache(g.widths, g.num_blocks, g.slots_per_block or block_size,
+                      kv_format(kv_dtype).dtype, device) if self.pooled else
             KVCache(len(g.layers), g.num_blocks, block_size, model_config.num_key_value_heads,
                     model_config.kv_latent_dim or model_config.head_dim, kv_dtype, device,
                     latent=bool(model_config.kv_latent_dim)) for g in groups
@@ -69,6 +74,8 @@ class ModelRunner:
             if isinstance(module, Linear):
                 module.prepared()
         cfg, cache = self.config, self.kv_cache
+        if self.pooled:
+            return
         if not cache.quantized and not cache.latent and cache.format.dtype in ops.KERNEL_DTYPES:
             self.ops.prepare_attention(cfg.num_attention_heads, cfg.num_key_value_heads,
                                        cfg.head_dim, cache.format.dtype)
@@ -94,6 +101,9 @@ class ModelRunner:
             starts[i] = len(ids)
             ids += seq.step_token_ids(first, n)
             positions += range(first, first + n)
+        if self.pooled:
+            return (self._tensor(ids), self._tensor(positions),
+                    self._pooled_context(scheduled, order, starts), starts)
         ctxs = [self._group_context(g, scheduled, order, num_decodes, starts)
                 for g in range(len(self.kv_caches))]
         ctx = ctxs[0]
@@ -124,6 +134,15 @@ class ModelRunner:
             ctx.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
             ctx.decode_seq_lens = self._tensor(lens)
         return ctx
+
+    def _pooled_context(self, scheduled, order, starts) -> PooledContext:
+        chunks, slots = [], []
+        for i in order:
+            seq, n = scheduled[i]
+            first = seq.num_computed_tokens
+            chunks.append(PooledChunk(starts[i], starts[i] + n, first, seq.block_tables))
+            slots += self.kv_caches[0].slots(seq.block_tables[0], first, first + n)
+        return PooledContext(self.kv_caches, chunks, self._tensor(slots))
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

@@ -68,7 +68,7 @@ def _loaded(pending: set, shard: int | None) -> None:
 
 
 def _owner(model: nn.Module, param_name: str) -> nn.Module:
-    return model.get_submodule(param_name.rsplit(".", 1)[0])
+    return model.get_submodule(param_name.rsplit(".", 1)[0] if "." in param_name else "")
 
 
 def _num_shards(model: nn.Module, param_name: str) -> set:

@@ -23,6 +23,7 @@ _FAMILY_OF_ARCHITECTURE = {
     "Gemma3ForCausalLM": _GEMMA3,
     "DeepseekV2ForCausalLM": "tokenmill.models.deepseek",
     "DeepseekV3ForCausalLM": "tokenmill.models.deepseek",
+    "DeepseekV4ForCausalLM": "tokenmill.models.deepseek_v4",
 }
 _FAMILY_OF_GGUF_ARCHITECTURE = {"llama": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
                                "phi3": "tokenmill.models.phi3",
@@ -43,6 +44,7 @@ _CAUSAL_LM_OF_MODEL_TYPE = {
     "gemma3_text": "Gemma3ForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
 }
 
 
