@@ -150,9 +150,9 @@ def _budget(config: EngineConfig, wanted: int, device: torch.device) -> int:
 def _pooled_plan(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max_len: int,
                  device: torch.device) -> KVCachePlan:
     """DeepSeek V4's pools (models/deepseek_v4.py cache_pools): the raw pool gets what
-    max_num_seqs sequences' windows need, twice over (as a sliding pool, for prefix hits), at
-    most half the budget; the compressed pools share the rest so that all fill at the same
-    number of tokens."""
+    max_num_seqs sequences' windows need, twice over (as a sliding pool, for prefix hits), or
+    half a budget too small for that; the compressed pools share the rest so that all fill
+    at the same number of tokens."""
     from tokenmill.models.deepseek_v4 import cache_pools
 
     if config.kv_cache_dtype != "auto":
@@ -167,9 +167,10 @@ def _pooled_plan(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max_
     need = [raw_per_seq] + [-(-max_len // t) for t in tpb[1:]]
     budget = _budget(config, config.max_num_seqs * sum(
         n * s * k for n, s, k in zip(need, slot, spb)), device)
-    raw_bytes = slot[0] * bs
-    blocks = [max(1, min(config.max_num_seqs * raw_per_seq * raw_bytes,
-                         budget // 2 if len(pools) > 1 else budget) // raw_bytes)]
+    raw_bytes, wanted = slot[0] * bs, config.max_num_seqs * raw_per_seq * slot[0] * bs
+    if len(pools) == 1 or budget < wanted:
+        wanted = budget if len(pools) == 1 else min(wanted, budget // 2)
+    blocks = [max(1, wanted // raw_bytes)]
     rest = budget - blocks[0] * raw_bytes
     per_token = sum(s / p["rate"] for s, p in zip(slot[1:], pools[1:]))
     tokens = rest / per_token if per_token else 0
