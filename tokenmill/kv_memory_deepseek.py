@@ -6,13 +6,15 @@
                                          one lightning-indexer key (index_head_dim) a token
     V4     sliding_attention             the last sliding_window tokens' shared K=V (head_dim)
            compressed_sparse_attention   the window + one K=V entry and one indexer key per
-                                         4 tokens + the compressors' pending fp32 state
+                                         4 tokens + the compressors' pending state
            heavily_compressed_attention  the window + one K=V entry per 128 tokens + state
 
-Bytes come in two kinds: an engine KV dtype stores all of a layer's vectors in that format
-(latent_bytes_per_token, which the engine sizes its MLA cache with); DEEPSEEK stores them the
-way DeepSeek deploys them, which is what its published cache sizes count. The report is in
-kv_memory_deepseek_report.py.
+Bytes come in two kinds: an engine KV dtype stores all of a layer's vectors in that format,
+laid out as tokenmill's engine does (latent_bytes_per_token for MLA; for V4 the pools of
+models/deepseek_v4.py cache_pools: the window is the raw pool's, which also keeps the
+compressors' projected inputs of its tokens as their pending state); DEEPSEEK stores them the
+way DeepSeek deploys them (a sliding_window of K=V, fp32 compressor buffers), which is what
+its published cache sizes count. The report is in kv_memory_deepseek_report.py.
 """
 
 from __future__ import annotations
@@ -38,18 +40,20 @@ def scaled_bytes(values: int, bits: int, group: int, scale_bytes: int) -> int:
 @dataclass(frozen=True)
 class Part:
     """One vector a layer caches: `width` values per entry, one entry per `ratio` tokens, at
-    most `cap` entries (a window of raw tokens); `deepseek` is an entry's bytes as DeepSeek
-    stores it."""
+    most `cap` entries (a window of raw tokens; `engine_cap` in tokenmill's layout);
+    `deepseek` is an entry's bytes as DeepSeek stores it (0: DeepSeek keeps no such vector)."""
 
     name: str
     width: int
     deepseek: int
     ratio: int = 1
     cap: int | None = None
+    engine_cap: int | None = None
 
-    def entries(self, context: int, block_size: int = 1) -> int:
-        if self.cap is not None:
-            return min(context, self.cap)
+    def entries(self, context: int, block_size: int = 1, kv_dtype: str = DEEPSEEK) -> int:
+        cap = self.cap if kv_dtype == DEEPSEEK or self.engine_cap is None else self.engine_cap
+        if cap is not None:
+            return min(context, cap)
         if self.ratio == 1:  # every token, in the engine's whole blocks
             return -(-context // block_size) * block_size
         return context // self.ratio
@@ -59,7 +63,8 @@ class Part:
             1, self.width, kv_dtype)
 
     def describe(self) -> str:
-        every = (f"x the last {self.cap} tokens" if self.cap else "per token" if self.ratio == 1
+        cap = self.engine_cap or self.cap
+        every = (f"x the last {cap} tokens" if cap else "per token" if self.ratio == 1
                  else f"per {self.ratio} tokens")
         return f"{self.name} {self.width} {every}"
 
@@ -69,12 +74,13 @@ class LayerType:
     name: str
     layers: int
     parts: tuple[Part, ...]
-    state_bytes: int = 0  # per sequence: the compressors' fp32 state of the incomplete group
+    state_bytes: int = 0  # per sequence: DeepSeek's fp32 compressor state (DEEPSEEK only)
 
     def nbytes(self, context: int, kv_dtype: str, block_size: int = 1) -> int:
         """One layer's cache for one sequence of `context` tokens."""
-        return self.state_bytes + sum(p.entries(context, block_size) * p.entry_bytes(kv_dtype)
-                                      for p in self.parts)
+        state = self.state_bytes if kv_dtype == DEEPSEEK else 0
+        return state + sum(p.entries(context, block_size, kv_dtype) * p.entry_bytes(kv_dtype)
+                           for p in self.parts if kv_dtype != DEEPSEEK or p.deepseek)
 
     def bytes_per_token(self, context: int, kv_dtype: str) -> float:
         """Per layer, averaged over the context: the window and the state are per sequence."""
@@ -170,14 +176,18 @@ def v4_cache(name: str, cfg: dict) -> DeepseekCache:
     dim, idx = need(cfg, "head_dim"), need(cfg, "index_head_dim")
     rope = cfg.get("qk_rope_head_dim") or int(dim * (cfg.get("partial_rotary_factor") or 0.125))
     entry = scaled_bytes(dim - rope, 8, 64, 1) + 2 * rope
-    window = Part("window K=V", dim, entry, cap=need(cfg, "sliding_window"))
+    sliding = need(cfg, "sliding_window")
+    raw = max([sliding] + [2 * rates[CSA]] * (CSA in types) + [rates[HCA]] * (HCA in types))
+    window = Part("window K=V", dim, entry, cap=sliding, engine_cap=raw)
     layer_types = []
     for t in V4_LAYER_TYPES:
         if t not in types:
             continue
         parts, state = (window,), 0
-        if t != SLIDING:
-            parts += (Part("compressed K=V", dim, entry, ratio=rates[t]),)
+        if t != SLIDING:  # tokenmill keeps the compressor's projected values and gates
+            inputs = 2 * (2 * dim if t == CSA else dim) + (4 * idx if t == CSA else 0)
+            parts += (Part("compressed K=V", dim, entry, ratio=rates[t]),
+                      Part("compressor inputs", inputs, 0, cap=raw))
             state = compressor_state(rates[t], dim, t == CSA)
         if t == CSA:
             parts += (Part("indexer key", idx, scaled_bytes(idx, 4, 32, 1), ratio=rates[t]),)
