@@ -141,8 +141,8 @@ class ModelRunner:
             seq, n = scheduled[i]
             first = seq.num_computed_tokens
             chunks.append(PooledChunk(starts[i], starts[i] + n, first, seq.block_tables))
-            slots += self.kv_caches[0].slots(seq.block_tables[0], first, first + n)
-        return PooledContext(self.kv_caches, chunks, self._tensor(slots))
+            slots.append(self.kv_caches[0].slots(seq.block_tables[0], first, first + n))
+        return PooledContext(self.kv_caches, chunks, torch.cat(slots))
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
         return self.model(input_ids, positions, ctx)

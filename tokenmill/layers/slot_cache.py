@@ -31,11 +31,15 @@ class SlotCache:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.layers)
 
-    def slots(self, table: list[int], first: int, end: int) -> list[int]:
+    def slots(self, table: list[int], first: int, end: int) -> torch.Tensor:
         """Slots of positions [first, end) (token positions in the raw pool, entry indices in a
         compressed one) through a block table."""
         bs = self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(first, end)]
+        if end <= first:
+            return torch.empty(0, dtype=torch.long, device=self.layers[0].device)
+        blocks = torch.tensor(table[first // bs:(end - 1) // bs + 1], dtype=torch.long)
+        slots = (blocks[:, None] * bs + torch.arange(bs)).flatten()
+        return slots[first % bs:first % bs + end - first].to(self.layers[0].device)
 
     def store(self, layer: int, slots: torch.Tensor, values: torch.Tensor) -> None:
         self.layers[layer].index_copy_(0, slots, values.to(self.dtype))
@@ -76,7 +80,5 @@ class PooledContext:
     def pool_slots(self, chunk: PooledChunk, pool: int, first: int, end: int) -> torch.Tensor:
         key = (id(chunk), pool, first, end)
         if key not in self._memo:
-            cache = self.caches[pool]
-            self._memo[key] = torch.tensor(cache.slots(chunk.tables[pool], first, end),
-                                           dtype=torch.long, device=self.slot_mapping.device)
+            self._memo[key] = self.caches[pool].slots(chunk.tables[pool], first, end)
         return self._memo[key]

@@ -116,15 +116,16 @@ class Indexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, [self.heads])
         self.compressor = Compressor(cfg.hidden_size, self.dim, rate, True, cfg.rms_norm_eps)
 
-    def select(self, x, q_res, positions, rope: Rope, keys, visible) -> torch.Tensor:
-        """(queries, entries) bool: the top-k visible entries of each query."""
+    def select(self, x, q_res, positions, rope: Rope, keys, visible):
+        """Per query, the indices of its top-k entries (queries, k) and which of them are
+        visible (early queries of a chunk see fewer than k)."""
         q = rope(self.wq_b(q_res).view(len(x), self.heads, self.dim), positions)
         scores = torch.relu(torch.einsum("thd,sd->ths", q.float(), keys.float()))
         weights = self.weights_proj(x).float() * self.heads ** -0.5
-        total = (scores * self.dim ** -0.5 * weights[..., None]).sum(1)
+        total = torch.einsum("ths,th->ts", scores, weights) * self.dim ** -0.5
         total = total.masked_fill(~visible, -math.inf)
         top = total.topk(min(self.topk, keys.shape[0]), dim=-1).indices
-        return torch.zeros_like(visible).scatter_(1, top, True) & visible
+        return top, visible.gather(1, top)
 
 
 class V4Attention(nn.Module):
@@ -194,23 +195,33 @@ class V4Attention(nn.Module):
 
     def _attend(self, q, x, q_res, positions, c: PooledChunk, ctx: PooledContext):
         p0, end = c.num_computed, c.num_computed + c.num_new
-        lo = max(p0 - self.window + 1, 0)
-        keys = ctx.caches[0].read(self.layer, ctx.raw_slots(c, lo, end))[:, :self.dim]
+        """Softmax over the window's tokens, the visible compressed entries (CSA: each query's
+        top-k, gathered) and the sink; values are the keys (shared K=V)."""
+        qf, scale, lo = q.float(), self.dim ** -0.5, max(p0 - self.window + 1, 0)
+        keys = ctx.caches[0].read(self.layer, ctx.raw_slots(c, lo, end))[:, :self.dim].float()
         k_pos = torch.arange(lo, end, device=q.device)
         q_pos = positions[:, None]
         allowed = (k_pos[None, :] <= q_pos) & (k_pos[None, :] > q_pos - self.window)
+        parts = [(torch.einsum("thd,sd->ths", qf, keys) * scale, allowed, keys)]
         if self.kind != SLIDING and end // self.rate:
             count = end // self.rate
             entries = ctx.caches[self.pool].read(self.pool_layer,
                                                  ctx.pool_slots(c, self.pool, 0, count))
             visible = torch.arange(count, device=q.device)[None, :] < (q_pos + 1) // self.rate
-            if self.kind == CSA:
-                visible = self.indexer.select(x, q_res, positions, self.rope,
-                                              entries[:, self.dim:], visible)
-            keys = torch.cat((keys, entries[:, :self.dim]))
-            allowed = torch.cat((allowed, visible), 1)
-        scores = torch.einsum("thd,sd->ths", q.float(), keys.float()) * self.dim ** -0.5
-        scores = scores.masked_fill(~allowed[:, None, :], -math.inf)
+            values = entries[:, :self.dim].float()
+            if self.kind == CSA:  # (queries, k, dim): each query's own entries
+                top, visible = self.indexer.select(x, q_res, positions, self.rope,
+                                                   entries[:, self.dim:], visible)
+                values = values[top]
+                parts.append((torch.einsum("thd,tkd->thk", qf, values) * scale, visible, values))
+            else:
+                parts.append((torch.einsum("thd,sd->ths", qf, values) * scale, visible, values))
+        scores = [s.masked_fill(~a[:, None, :], -math.inf) for s, a, _ in parts]
         sink = self.attn_sink.float().view(1, -1, 1).expand(len(q), -1, 1)
-        probs = torch.cat((scores, sink), -1).softmax(-1)[..., :-1]
-        return torch.einsum("ths,sd->thd", probs, keys.float()).to(q.dtype)
+        probs = torch.cat(scores + [sink], -1).softmax(-1)
+        out, at = 0, 0
+        for s, _, v in parts:
+            p, at = probs[..., at:at + s.shape[-1]], at + s.shape[-1]
+            out = out + (torch.einsum("thk,tkd->thd", p, v) if v.dim() == 3
+                         else torch.einsum("ths,sd->thd", p, v))
+        return out.to(q.dtype)
