@@ -6,7 +6,7 @@ same width: hidden 512, 8 query heads of 64 dims, 4 layers, float32. V4 runs CSA
 turn with DeepSeek's rates (one entry per 4 and per 128 tokens), a 128-token window, an
 indexer of 8 heads x 64 keeping 512 entries; its MoE has 4 experts of 256 (2 routed per
 token). The Llama has a plain K/V cache of 8 KV heads and a 1,024-wide MLP. Each point is the
-mean of 16 decode steps after the prompt was prefilled in 2,048-token chunks. Prints a table,
+median of 32 decode steps after the prompt was prefilled in 2,048-token chunks. Prints a table,
 saves a PNG of both curves, ends with one JSON line.
 
     python benchmarks/v4_decode.py [--contexts 1024,2048,...] [--plot docs/images/v4-decode.png]
@@ -15,6 +15,7 @@ saves a PNG of both curves, ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import tempfile
 import time
@@ -50,7 +51,7 @@ def make_models(folder: Path) -> dict[str, str]:
     return paths
 
 
-def measure(path: str, contexts: list[int], steps: int = 16) -> list[dict]:
+def measure(path: str, contexts: list[int], steps: int = 32) -> list[dict]:
     from tokenmill import LLM, SamplingParams
 
     top = max(contexts)
@@ -65,12 +66,12 @@ def measure(path: str, contexts: list[int], steps: int = 16) -> list[dict]:
         seq = next(iter(engine.requests.values())).seqs[0]
         while seq.num_output_tokens < 2:
             engine.step()  # the prefill, the first token and one decode step (warm)
-        held = engine.kv_manager.used_bytes
-        start, done = time.perf_counter(), 0
+        held, times = engine.kv_manager.used_bytes, []
         while engine.has_unfinished_requests():
+            start = time.perf_counter()
             engine.step()
-            done += 1
-        rows.append({"context": context, "step_ms": 1e3 * (time.perf_counter() - start) / done,
+            times.append(time.perf_counter() - start)
+        rows.append({"context": context, "step_ms": 1e3 * statistics.median(times),
                      "kv_bytes": held})
     return rows
 
@@ -110,7 +111,7 @@ def main() -> None:
               "llama_step_ms": b["step_ms"], "v4_kv_MiB": a["kv_bytes"] / 2**20,
               "llama_kv_MiB": b["kv_bytes"] / 2**20, "kv_ratio": a["kv_bytes"] / b["kv_bytes"]}
              for a, b in zip(v4_rows, llama_rows)]
-    print("one sequence, float32; decode step = mean of 16 steps at that context")
+    print("one sequence, float32; decode step = median of 32 steps at that context")
     print_table(table, list(table[0]))
     if args.plot:
         plot(results, args.plot)

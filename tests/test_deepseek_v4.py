@@ -144,3 +144,36 @@ def test_bad_configs_and_checkpoints(tmp_path, deepseek_v4):
         LLM(str(missing), dtype="float32")
     with pytest.raises(ValueError, match="kv_cache_dtype must be 'auto'"):
         LLM(path, dtype="float32", kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_is_exact(deepseek_v4, method):
+    """Verify steps run through the same pools (a rejected draft's entry slot is rewritten
+    when its window completes again); a V4 draft model keeps pools of its own."""
+    path, hf = deepseek_v4
+    prompts = [p * 3 for p in random_prompts(4, 6, 12, seed=5)]  # repetitive: drafts match
+    expected = [hf_greedy(hf, p, NEW) for p in prompts]
+    spec = {"method": method, "num_speculative_tokens": 4, "adaptive": False}
+    spec.update({"prompt_lookup_max": 3} if method == "ngram" else {"model": path})
+    llm = LLM(path, dtype="float32", max_model_len=256, block_size=8, max_num_seqs=4,
+              speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    if method == "draft_model":  # its own greedy drafts: all accepted
+        assert sum(o.metrics.num_accepted_tokens for o in outs) > NEW
+    assert llm.engine.kv_manager.num_free_blocks == llm.engine.kv_manager.num_blocks
+
+
+def test_bfloat16_is_as_close_to_float32_as_transformers(deepseek_v4):
+    """In bfloat16 the logits stray from float32's no more than transformers' own bfloat16
+    run does (which keeps the mHC, norms, sinks and biases in float32)."""
+    path, hf = deepseek_v4
+    ids = random_prompts(1, 40, 40, seed=6)[0]
+    with torch.no_grad():
+        exact = hf(torch.tensor([ids])).logits[0].log_softmax(-1)
+        hf16 = transformers.DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        theirs = hf16(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+    bf16 = LLM(path, dtype="bfloat16", max_model_len=256, block_size=8)
+    ours = bf16.engine.compute_logits(ids, chunk_size=16).float().log_softmax(-1)
+    assert (ours - exact).abs().mean() <= 1.25 * (theirs - exact).abs().mean() + 1e-3

@@ -122,7 +122,8 @@ def test_v4_layer_types_by_hand():
     # DeepSeek's format: 448 fp8 + 7 one-byte scales + 64 bf16 RoPE; indexer 64 B fp4 + 4 scales
     assert csa.nbytes(M1, DEEPSEEK) == (128 + M1 // 4) * (448 + 7 + 128) + M1 // 4 * 68 + csa_state
     # per token the window and state fade, the compressed entries do not
-    assert csa.bytes_per_token(M1, "bfloat16") == pytest.approx((512 + 128) * 2 / 4 + 0.75, rel=1e-4)
+    per_token = (512 + 128) * 2 / 4 + 0.75  # entries, then the window and inputs: 786,432 / 1M
+    assert csa.bytes_per_token(M1, "bfloat16") == pytest.approx(per_token, rel=1e-4)
     assert hca.bytes_per_token(M1, "bfloat16") == pytest.approx(512 * 2 / 128 + 0.375, rel=1e-3)
 
 

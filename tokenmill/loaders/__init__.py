@@ -47,10 +47,12 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     with torch.device("meta"):
         model = cls(cfg, max_positions=max_positions)
     for module in model.modules():
+        fp32 = getattr(module, "float32_parameters", ())  # small ones a family keeps exact
         for name, p in module._parameters.items():
             if p is not None:
-                t = torch.empty(p.shape, dtype=dtype if p.is_floating_point() else p.dtype,
-                                device=device)
+                keep = p.dtype if not p.is_floating_point() else (
+                    torch.float32 if name in fp32 else dtype)
+                t = torch.empty(p.shape, dtype=keep, device=device)
                 module._parameters[name] = nn.Parameter(t, requires_grad=p.requires_grad)
         for name, b in module._buffers.items():
             if b is not None:

@@ -91,6 +91,8 @@ class Expert(nn.Module):
 
 
 class Gate(nn.Module):
+    float32_parameters = ("bias",)
+
     def __init__(self, cfg: ModelConfig, hashed: bool) -> None:
         super().__init__()
         v4 = cfg.family["v4"]
@@ -137,6 +139,10 @@ def _unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class DeepseekV4DecoderLayer(nn.Module):
+    # kept in float32 in a bfloat16 model, as DeepSeek and transformers keep them
+    float32_parameters = tuple(f"hc_{site}_{p}" for site in ("attn", "ffn")
+                               for p in ("fn", "base", "scale"))
+
     def __init__(self, cfg: ModelConfig, layer: int, pool_of) -> None:
         super().__init__()
         v4, eps = cfg.family["v4"], cfg.rms_norm_eps
@@ -178,6 +184,8 @@ class DeepseekV4DecoderLayer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
+    float32_parameters = ("hc_head_fn", "hc_head_base", "hc_head_scale")
+
     def __init__(self, cfg: ModelConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = cfg

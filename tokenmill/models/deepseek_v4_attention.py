@@ -74,6 +74,8 @@ class Compressor(nn.Module):
     at the window's first position. overlap (CSA): values and gates are twice as wide, the
     entry pools the previous window's first halves with its own window's second halves."""
 
+    float32_parameters = ("ape",)
+
     def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
         super().__init__()
         self.dim, self.rate, self.overlap = dim, rate, overlap
@@ -129,6 +131,8 @@ class Indexer(nn.Module):
 
 
 class V4Attention(nn.Module):
+    float32_parameters = ("attn_sink",)
+
     def __init__(self, cfg: ModelConfig, layer: int, pool_of: dict[int, tuple[int, int]]) -> None:
         super().__init__()
         v4 = cfg.family["v4"]
