@@ -49,14 +49,18 @@ def make_models(folder: Path) -> dict[str, str]:
     return paths
 
 
-def step_time(path: str, context: int, absorb: bool | None) -> tuple[float, int]:
+def step_time(path: str, context: int, absorb: bool | None,
+              kernel: bool = True) -> tuple[float, int]:
     from tokenmill import LLM, SamplingParams
+    from tokenmill.layers.ops import TorchOps
 
     llm = LLM(path, dtype="float32", max_model_len=context + 64, max_num_seqs=4,
               enable_prefix_caching=False, kv_cache_memory=None)
     for module in llm.engine.runner.model.modules():
         if absorb is not None and hasattr(module, "absorb"):
             module.absorb = absorb
+            if not kernel:  # the latent attention in PyTorch einsums (the portable path)
+                module.ops = TorchOps()
     prompts = [{"prompt_token_ids": [(i * 7 + j) % 1000 for j in range(context)]}
                for i in range(4)]
     llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)  # warm-up
@@ -80,14 +84,15 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         paths = make_models(Path(tmp))
-        settings = {"MLA absorbed": (paths["deepseek"], True),
-                    "MLA expanded": (paths["deepseek"], False),
-                    "Llama, K/V cache": (paths["llama"], None)}
+        settings = {"MLA absorbed, C++ kernel": (paths["deepseek"], True, True),
+                    "MLA absorbed, PyTorch einsums": (paths["deepseek"], True, False),
+                    "MLA expanded": (paths["deepseek"], False, True),
+                    "Llama, K/V cache": (paths["llama"], None, True)}
         times = {name: [] for name in settings}
         per_token = {}
         for _ in range(args.rounds):
-            for name, (path, absorb) in settings.items():
-                t, per_token[name] = step_time(path, args.context, absorb)
+            for name, (path, absorb, kernel) in settings.items():
+                t, per_token[name] = step_time(path, args.context, absorb, kernel)
                 times[name].append(t)
     rows = [{"decode": name, "step_ms": 1e3 * statistics.median(v),
              "kv_bytes_per_token": per_token[name]} for name, v in times.items()]

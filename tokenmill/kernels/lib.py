@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
+
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
 ABI_VERSION = 7
@@ -237,11 +239,14 @@ class KernelLib:
     # ---- attention --------------------------------------------------------------------------
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, window, scale):
         """q: (batch, heads, head_dim) against one layer's (blocks, block_size, kv_heads,
-        head_dim) cache through block_tables (batch, max_blocks); window 0 = unlimited."""
+        head_dim) cache through block_tables (batch, max_blocks); window 0 = unlimited. The
+        kernel takes any head_dim (its scratch is sized at run time); the engine sends at most
+        256 for K/V caches and MLA's latent rows (up to MAX_LATENT_DIM) as one shared head."""
         _check(q.dim() == 3 and k_cache.dim() == 4 and q.dtype == k_cache.dtype == v_cache.dtype
                and k_cache.is_contiguous() and v_cache.is_contiguous()
-               and q.shape[2] % 8 == 0 and q.shape[2] <= 256 and k_cache.shape[3] == q.shape[2],
-               "decode_attention: head_dim a multiple of 8 up to 256, caches of q's dtype")
+               and q.shape[2] % 8 == 0 and q.shape[2] <= MAX_LATENT_DIM
+               and k_cache.shape[3] == q.shape[2],
+               "decode_attention: head_dim a multiple of 8 up to 1024, caches of q's dtype")
         q = q.contiguous()
         tables = block_tables.to(torch.int64).contiguous()
         lens = seq_lens.to(torch.int64).contiguous()

@@ -114,6 +114,12 @@ class TorchOps:
         None when this implementation has none for it (the caller uses SDPA)."""
         return None
 
+    def latent_decode_attention(self, q, pages, block_tables, seq_lens, scale):
+        """MLA's absorbed decode: q (rows, heads, latent) against one layer's latent pages
+        (blocks, block_size, 1, latent), each row both key and value, read in place; the
+        output is (rows, heads, latent). None when this implementation has none."""
+        return None
+
     def kv_store(self, cache, layer: int, k: torch.Tensor, v: torch.Tensor,
                  slots: torch.Tensor) -> None:
         """Write a step's new K/V (tokens, kv_heads, head_dim) into `layer` of the cache."""
@@ -212,6 +218,12 @@ class KernelOps(TorchOps):
         if self.fits(q) and k_cache.dtype == q.dtype and d % 8 == 0 and d <= 256:
             return self.lib.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
                                              window, scale)
+        return None
+
+    def latent_decode_attention(self, q, pages, block_tables, seq_lens, scale):
+        if self.fits(q) and pages.dtype == q.dtype and q.shape[-1] % 8 == 0:
+            return self.lib.decode_attention(q, pages, pages, block_tables, seq_lens, None,
+                                             scale)
         return None
 
     def kv_store(self, cache, layer, k, v, slots):

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext
 from tokenmill.layers.linear import Linear, embedding
 from tokenmill.layers.norm import RMSNorm
@@ -89,6 +90,7 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(self.heads * m.v_head_dim, [hidden], bias)
         self.scale = cfg.attention_scale
         self.absorb = True  # decode in latent space (False: expand the history, to compare)
+        self.ops = ops.current()
 
     def forward(self, x, positions, rotary: RotaryEmbedding, ctx: AttentionContext):
         m, t, h = self.m, x.shape[0], self.heads
@@ -122,10 +124,15 @@ class MLAttention(nn.Module):
     def _absorbed(self, q_nope, q_rope, pages, ctx) -> torch.Tensor:
         """Decode rows: attention computed in latent space, reading only the cached latents."""
         rows = q_nope.shape[0]
-        kv = pages[ctx.decode_block_tables].reshape(rows, -1, pages.shape[-1])  # (rows, S, L)
-        c, k_rope = kv.split([self.m.kv_lora_rank, self.m.qk_rope_head_dim], -1)
         w_uk, w_uv = self._uk_uv()
         q_lat = torch.einsum("thd,hdr->thr", q_nope, w_uk)
+        out = self.ops.latent_decode_attention(  # the C++ kernel reads the pages in place
+            torch.cat([q_lat, q_rope], -1), pages, ctx.decode_block_tables,
+            ctx.decode_seq_lens, self.scale)
+        if out is not None:
+            return torch.einsum("thr,hvr->thv", out[..., :self.m.kv_lora_rank], w_uv)
+        kv = pages[ctx.decode_block_tables].reshape(rows, -1, pages.shape[-1])  # (rows, S, L)
+        c, k_rope = kv.split([self.m.kv_lora_rank, self.m.qk_rope_head_dim], -1)
         scores = (torch.einsum("thr,tsr->ths", q_lat, c)
                   + torch.einsum("thd,tsd->ths", q_rope, k_rope)).float() * self.scale
         allowed = ctx.decode_mask(None)[:, 0]  # (rows, 1, S)

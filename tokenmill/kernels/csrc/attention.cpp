@@ -136,9 +136,12 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
   for (int64_t b = 0; b < B; ++b) { longest = std::max(longest, lens[b]); total += lens[b]; }
   // Tasks: with many sequences, one per (sequence, KV heads whose cache row slice fits the
   // scratch), which reads each cache row as one contiguous run; with fewer, one per (sequence,
-  // KV head), or per (sequence, query head) when even those are too few for the threads. A
-  // step with little work stays on the calling thread.
-  int64_t threads = g_threads, heads = B * Hk >= 4 * threads ? group : 1, kv = 1;
+  // KV head), or per (sequence, query head) when even those are too few for the threads. One
+  // KV head shared by many query heads (MLA's latent rows) keeps whole groups as soon as there
+  // is a sequence per thread: each cache row is then read once for all its heads. A step with
+  // little work stays on the calling thread.
+  int64_t threads = g_threads, kv = 1;
+  int64_t heads = B * Hk >= 4 * threads || (Hk == 1 && group >= 8 && B >= threads) ? group : 1;
   if (B >= 4 * threads)
     for (int64_t k = Hk; k > 1; --k)
       if (Hk % k == 0 && k * D <= kMaxHeadDim) { kv = k; break; }
