@@ -74,6 +74,19 @@ def test_logits_match_through_chunked_prefill(deepseek_v4):
         assert (got - expected).abs().max() < 1e-4, chunk
 
 
+def test_queries_attended_in_blocks(deepseek_v4, monkeypatch):
+    """A long chunk's queries attend QUERY_BLOCK at a time: the same logits."""
+    from tokenmill.models import deepseek_v4_attention
+
+    path, hf = deepseek_v4
+    monkeypatch.setattr(deepseek_v4_attention, "QUERY_BLOCK", 5)
+    llm = LLM(path, dtype="float32", max_model_len=256, block_size=8)
+    ids = random_prompts(1, 50, 50, seed=7)[0]
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    assert (llm.engine.compute_logits(ids, chunk_size=50) - expected).abs().max() < 1e-4
+
+
 def test_greedy_alone_batched_chunked_cached_and_preempted(deepseek_v4):
     path, hf = deepseek_v4
     prompts = random_prompts(8, 3, 60, seed=2)

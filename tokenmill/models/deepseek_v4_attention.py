@@ -33,6 +33,7 @@ from tokenmill.layers.slot_cache import PooledChunk, PooledContext
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.deepseek import Weight
 
+QUERY_BLOCK = 256  # queries attended at a time: CSA gathers (queries, index_topk, head_dim)
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention")
 
@@ -172,18 +173,19 @@ class V4Attention(nn.Module):
         ctx.caches[0].store(self.layer, ctx.slot_mapping, torch.cat(rows, -1))
         out = torch.empty_like(q)
         for c in ctx.chunks:
-            s = slice(c.start, c.end)
             if self.kind != SLIDING:
                 self._pool_windows(c, ctx)
-            out[s] = self._attend(q[s], x[s], q_res[s], positions[s], c, ctx)
+            for i in range(c.start, c.end, QUERY_BLOCK):  # bounds CSA's gathered entries
+                s = slice(i, min(i + QUERY_BLOCK, c.end))
+                out[s] = self._attend(q[s], x[s], q_res[s], positions[s], c, ctx)
         out = self.rope(out, positions, inverse=True).view(t, self.groups, -1)
         w = self.wo_a.weight.view(self.groups, -1, out.shape[-1])
         return self.wo_b(torch.einsum("tgi,goi->tgo", out, w).flatten(1))
 
     def _pool_windows(self, c: PooledChunk, ctx: PooledContext) -> None:
         """Pool the windows this chunk's tokens complete into the compressed pool."""
-        r, first_tok, end_tok = self.rate, c.num_computed, c.num_computed + c.num_new
-        first, end = (first_tok + 1 + r - 1) // r - 1, end_tok // r
+        r = self.rate  # window w completes with token (w + 1) * r - 1
+        first, end = c.num_computed // r, (c.num_computed + c.num_new) // r
         if end <= first:
             return
         raw = ctx.caches[0]
@@ -198,9 +200,9 @@ class V4Attention(nn.Module):
         pool.store(self.pool_layer, ctx.pool_slots(c, self.pool, first, end), torch.cat(entry, -1))
 
     def _attend(self, q, x, q_res, positions, c: PooledChunk, ctx: PooledContext):
-        p0, end = c.num_computed, c.num_computed + c.num_new
         """Softmax over the window's tokens, the visible compressed entries (CSA: each query's
         top-k, gathered) and the sink; values are the keys (shared K=V)."""
+        p0, end = c.num_computed, c.num_computed + c.num_new
         qf, scale, lo = q.float(), self.dim ** -0.5, max(p0 - self.window + 1, 0)
         keys = ctx.caches[0].read(self.layer, ctx.raw_slots(c, lo, end))[:, :self.dim].float()
         k_pos = torch.arange(lo, end, device=q.device)
