@@ -108,16 +108,25 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
     blocks = _group_blocks(config, specs, [p * bs for p in per_token], max_len, device)
     groups = tuple(CacheGroup(layers, window, n, p)
                    for (layers, window), n, p in zip(specs, blocks, per_token))
-    if blocks[0] * bs < max_len and specs[0][1] is None:
-        if config.max_model_len is not None:
-            raise NotEnoughMemory(
-                f"max_model_len ({max_len}) needs {gib(max_len * per_token[0])} of KV cache for "
-                f"one sequence, but the KV budget ({gib(blocks[0] * bs * per_token[0])}) holds "
-                f"{blocks[0] * bs} tokens: raise --kv-cache-memory or lower --max-model-len")
-        logger.warning("max_model_len lowered from %d to %d: the KV cache holds only %d tokens",
-                       max_len, blocks[0] * bs, blocks[0] * bs)
-        max_len = blocks[0] * bs
+    if specs[0][1] is None:
+        held = blocks[0] * bs
+        max_len = _fit(config, max_len, held, f"needs {gib(max_len * per_token[0])} of KV cache "
+                       f"for one sequence, but the KV budget ({gib(held * per_token[0])}) holds "
+                       f"{held} tokens")
     return KVCachePlan(groups, bs, kv_dtype, max_len, _batched_tokens(config, max_len))
+
+
+def _fit(config: EngineConfig, max_len: int, held: int, why: str) -> int:
+    """max_len, or the `held` tokens the cache holds when fewer: an error if max_model_len was
+    asked for, else a warning."""
+    if held >= max_len:
+        return max_len
+    if config.max_model_len is not None:
+        raise NotEnoughMemory(f"max_model_len ({max_len}) {why}: raise --kv-cache-memory or "
+                              f"lower --max-model-len")
+    logger.warning("max_model_len lowered from %d to %d: the KV cache holds only %d tokens",
+                   max_len, held, held)
+    return held
 
 
 def _batched_tokens(config: EngineConfig, max_len: int) -> int:
@@ -179,15 +188,8 @@ def _pooled_plan(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max_
         raise ValueError(f"kv_cache_memory ({budget} bytes) is too small for one block of "
                          f"each of {mc.architecture}'s cache pools")
     held = min((n * t for n, t in zip(blocks[1:], tpb[1:])), default=max_len)
-    if held < max_len:
-        if config.max_model_len is not None:
-            raise NotEnoughMemory(
-                f"max_model_len ({max_len}) does not fit the KV budget ({gib(budget)}), whose "
-                f"compressed pools hold {held} tokens: raise --kv-cache-memory or lower "
-                f"--max-model-len")
-        logger.warning("max_model_len lowered from %d to %d: the KV cache holds only %d tokens",
-                       max_len, held, held)
-        max_len = held
+    max_len = _fit(config, max_len, held, f"does not fit the KV budget ({gib(budget)}), whose "
+                   f"compressed pools hold {held} tokens")
     groups = tuple(CacheGroup(p["layers"], p["window"], n, s, p["rate"], k, tuple(p["widths"]))
                    for p, n, s, k in zip(pools, blocks, slot, spb))
     return KVCachePlan(groups, bs, kv_format(dtype).name, max_len,
