@@ -88,5 +88,6 @@ def print_deepseek_report(cache: DeepseekCache, context: int, batch: int, memory
         table.append(line)
     print_table(table)
     print(f"{DEEPSEEK}: as DeepSeek deploys it, {cache.native}"
-          + ("; the compressor state is fp32 in every row" if any(
+          + ("; its compressor state is fp32 (the engine dtypes count tokenmill's: the raw "
+             "pool's pending compressor inputs)" if any(
               t.state_bytes for t in cache.layer_types) else ""))
