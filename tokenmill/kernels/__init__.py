@@ -78,5 +78,5 @@ def library_path(isa: str) -> Path:
 def _built_from_current_sources(path: Path) -> bool:
     try:
         return KernelLib(path).source_hash == source_hash()
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # AttributeError: an older library's symbols
         return False
