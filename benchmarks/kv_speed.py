@@ -4,7 +4,7 @@ only steps after every prompt is in are timed. Quantized caches are written and 
 place by the kernels (kernels/csrc/kv_store.cpp, attention_quant.cpp). Prints a table and
 ends with one JSON line.
 
-    python benchmarks/kv_speed.py [--dtypes bfloat16,int8,int4] [--threads 2]
+    python benchmarks/kv_speed.py [--dtypes bfloat16,int8,fp8_e4m3,int4] [--threads 2]
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def step_ms(kv: str, seqs: int, context: int, threads: int, new: int = 32) -> fl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtypes", default="bfloat16,int8,int4")
+    ap.add_argument("--dtypes", default="bfloat16,int8,fp8_e4m3,int4")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     from tokenmill.kernels.isa import describe_cpu

@@ -29,7 +29,13 @@ class KVPages(ctypes.Structure):
                 ("zero", c_void_p)]
 
 
-KV_FORMATS = {"int8": 1, "int4": 2}  # TM_KV_INT8, TM_KV_INT4
+KV_FORMATS = {"int8": 1, "int4": 2, "fp8_e4m3": 3}  # TM_KV_INT8, TM_KV_INT4, TM_KV_FP8
+
+
+def _pages(fmt: str, parts) -> KVPages:
+    """One layer's quantized cache parts (codes, scale[, minimum]) as the kernels read them."""
+    zero = parts[2].data_ptr() if len(parts) > 2 else None
+    return KVPages(KV_FORMATS[fmt], parts[0].data_ptr(), parts[1].data_ptr(), zero)
 
 
 class Layer(ctypes.Structure):
@@ -83,6 +89,8 @@ _SIGNATURES = {
                                     _P]),
     "tm_decode_attention_quant": (None, [_P, POINTER(KVPages), POINTER(KVPages), _I, _I, _P, _I,
                                          _P, _I, _I, _I, _I, c_float, _P]),
+    "tm_prefill_attention_quant": (None, [_P, _I, _I, _I, POINTER(KVPages), POINTER(KVPages), _I,
+                                          _I, _P, _I, _I, c_float, _P]),
     "tm_kv_store": (None, [c_int, _P, _I, _I, _I, _P, _P, POINTER(KVPages)]),
     "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, POINTER(KVPool), _I]),
 }
@@ -273,17 +281,30 @@ class KernelLib:
         lens = seq_lens.to(torch.int64).contiguous()
         out = torch.empty_like(q)
         b, h, d = q.shape
-
-        def pages(parts):
-            zero = parts[2].data_ptr() if len(parts) > 2 else None
-            return KVPages(KV_FORMATS[fmt], parts[0].data_ptr(), parts[1].data_ptr(), zero)
-
-        k, v = pages(k_parts), pages(v_parts)
+        k, v = _pages(fmt, k_parts), _pages(fmt, v_parts)
         self._sync_threads()
         self._lib.tm_decode_attention_quant(q.data_ptr(), ctypes.byref(k), ctypes.byref(v),
                                             codes.shape[1], codes.shape[2], tables.data_ptr(),
                                             tables.shape[1], lens.data_ptr(), b, h, d,
                                             window or 0, scale, out.data_ptr())
+        return out
+
+    def prefill_attention_quant(self, q, fmt: str, k_parts, v_parts, block_table, num_computed,
+                                window, scale):
+        """prefill_attention on one layer's quantized cache (parts as decode_attention_quant);
+        float32 in and out."""
+        _check(q.dim() == 3 and fmt in KV_FORMATS and k_parts[0].shape[2] == v_parts[0].shape[2]
+               and all(p.is_contiguous() for p in (*k_parts, *v_parts))
+               and q.shape[1] % k_parts[0].shape[2] == 0, "prefill_attention_quant: bad parts")
+        q = q.float().contiguous()
+        table = block_table.to(torch.int64).contiguous()
+        out = torch.empty_like(q)
+        k, v = _pages(fmt, k_parts), _pages(fmt, v_parts)
+        self._sync_threads()
+        self._lib.tm_prefill_attention_quant(q.data_ptr(), *q.shape, ctypes.byref(k),
+                                             ctypes.byref(v), k_parts[0].shape[1],
+                                             k_parts[0].shape[2], table.data_ptr(), num_computed,
+                                             window or 0, scale, out.data_ptr())
         return out
 
     def kv_store(self, fmt: str, x: torch.Tensor, parts, slots: torch.Tensor,

@@ -130,18 +130,11 @@ class PagedAttention(nn.Module):
                                             self.scale)
             if out is not None:
                 return out
-        else:  # quantized pages read in place (a rotated format: q in, the output out)
-            fmt, qf = cache.format, q.float()
-            if fmt.rotated:
-                qf = qf @ fmt.rotation(q.shape[-1], q.device)
-            out = self.ops.decode_attention_quant(
-                qf, fmt.name, [p[self.layer_idx] for p in cache.k],
-                [p[self.layer_idx] for p in cache.v], ctx.decode_block_tables,
-                ctx.decode_seq_lens, self.sliding_window, self.scale)
+        else:  # quantized pages read in place
+            out = self._on_quantized_pages(self.ops.decode_attention_quant, q, cache,
+                                           ctx.decode_block_tables, ctx.decode_seq_lens)
             if out is not None:
-                if fmt.rotated:
-                    out = out @ fmt.rotation(q.shape[-1], q.device).T
-                return out.to(q.dtype)
+                return out
         k, v = cache.gather(self.layer_idx, ctx.decode_block_tables, q.dtype)
         q = q[:, :, None, :]  # (decodes, heads, 1, head_dim)
         k = k.transpose(1, 2)  # (decodes, kv_heads, kv_len, head_dim)
@@ -149,8 +142,27 @@ class PagedAttention(nn.Module):
         out = self._sdpa(q, k, v, mask=ctx.decode_mask(self.sliding_window))
         return out[:, :, 0, :]
 
+    def _on_quantized_pages(self, kernel, q, cache, *where) -> torch.Tensor | None:
+        """A quantized-page kernel on this layer's parts, float32 q (a rotated format: q
+        rotated in, the output rotated back); None where the ops have no such kernel."""
+        fmt, qf = cache.format, q.float()
+        if fmt.rotated:
+            qf = qf @ fmt.rotation(q.shape[-1], q.device)
+        out = kernel(qf, fmt.name, [p[self.layer_idx] for p in cache.k],
+                     [p[self.layer_idx] for p in cache.v], *where, self.sliding_window,
+                     self.scale)
+        if out is not None and fmt.rotated:
+            out = out @ fmt.rotation(q.shape[-1], q.device).T
+        return None if out is None else out.to(q.dtype)
+
     def _prefill(self, q, k, v, chunk: PrefillChunk, ctx: AttentionContext) -> torch.Tensor:
-        if ctx.kv_cache.lossless(q.dtype):  # the paged kernel reads the blocks in place
+        if ctx.kv_cache.quantized:  # dequantized a tile at a time, no float copy of the history
+            out = self._on_quantized_pages(self.ops.prefill_attention_quant,
+                                           q[chunk.start : chunk.end], ctx.kv_cache,
+                                           chunk.block_table, chunk.num_computed)
+            if out is not None:
+                return out
+        elif ctx.kv_cache.lossless(q.dtype):  # the paged kernel reads the blocks in place
             out = self.ops.prefill_attention(
                 q[chunk.start : chunk.end], ctx.kv_cache.k[0][self.layer_idx],
                 ctx.kv_cache.v[0][self.layer_idx], chunk.block_table, chunk.num_computed,

@@ -131,6 +131,12 @@ class TorchOps:
         this implementation has none (the caller gathers, dequantizes and uses SDPA)."""
         return None
 
+    def prefill_attention_quant(self, q, fmt: str, k_parts, v_parts, block_table, num_computed,
+                                window, scale):
+        """prefill_attention on a quantized cache, float32 q; None when this implementation has
+        none (the caller gathers, dequantizes and uses SDPA)."""
+        return None
+
     def prepare_attention(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
         """Plan the prefill attention of this shape now (measured once per machine)."""
         return None
@@ -244,6 +250,15 @@ class KernelOps(TorchOps):
             return None
         return self.lib.decode_attention_quant(q, fmt, k_parts, v_parts, block_tables,
                                                seq_lens, window, scale)
+
+    def prefill_attention_quant(self, q, fmt, k_parts, v_parts, block_table, num_computed,
+                                window, scale):
+        from tokenmill.kernels.lib import KV_FORMATS
+
+        if fmt not in KV_FORMATS or q.device.type != "cpu" or q.shape[-1] % 32:
+            return None
+        return self.lib.prefill_attention_quant(q, fmt, k_parts, v_parts, block_table,
+                                                num_computed, window, scale)
 
     def prefill_attention(self, q, k_cache, v_cache, block_table, num_computed, window, scale):
         """bf16 only: float32 is the mode checked against transformers (logits within 1e-4),

@@ -1,9 +1,12 @@
 // tokenmill CPU kernels: causal attention of a prefill chunk against its paged history (its own
 // K/V already stored), flash-attention style: for a tile of query positions and the query heads
 // of one KV head, walk the keys a tile at a time, keeping each row's running maximum, sum and
-// float32 output; no (queries x keys) matrix and no gathered copy of the cache.
+// float32 output; no (queries x keys) matrix and no gathered copy of the cache. Quantized pages
+// (kv_pages.h) are dequantized a key tile at a time, so a long quantized prefix never exists
+// in float as a whole.
 #include <type_traits>
 
+#include "kv_pages.h"
 #include "tm.h"
 #include "vec.h"
 
@@ -114,6 +117,7 @@ struct PrefillTask {
   int64_t Hq, Hk, D, BS, computed, window;
   float scale;
   T* out;
+  const QuantPages *kq = nullptr, *vq = nullptr;  // quantized pages (T = float) instead of kc, vc
 
   static constexpr bool kDot =
 #ifdef TM_ISA_AVX512_BF16
@@ -132,6 +136,14 @@ struct PrefillTask {
     if (kDot) std::fill(sc.kp.begin(), sc.kp.end(), 0u);
     else std::fill(sc.kt.begin(), sc.kt.end(), 0.f);
     for (int64_t j = 0; j < n; ++j) {
+      if (kq) {  // the key row dequantized (through v's scratch row), then the value row
+        const int64_t slot = table[(p + j) / BS] * BS + (p + j) % BS;
+        float* row = sc.v.data() + j * Dp();
+        dequant_row(*kq, slot, h, row);
+        for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeys + j] = row[d];
+        dequant_row(*vq, slot, h, row);
+        continue;
+      }
       const T* k = kc + at(h, p + j);
       if constexpr (kDot) {
         const uint32_t* pairs = reinterpret_cast<const uint32_t*>(k);
@@ -252,5 +264,18 @@ extern "C" void tm_prefill_attention(int dtype, const void* q, int64_t n_new, in
                        static_cast<const float*>(v_cache), block_table, heads, kv_heads,
                        head_dim, block_size, num_computed, window, scale,
                        static_cast<float*>(out)};
+  prefill_attention(t, n_new);
+}
+
+extern "C" void tm_prefill_attention_quant(const float* q, int64_t n_new, int64_t heads,
+                                           int64_t head_dim, const tm_kv_pages* k,
+                                           const tm_kv_pages* v, int64_t block_size,
+                                           int64_t kv_heads, const int64_t* block_table,
+                                           int64_t num_computed, int64_t window, float scale,
+                                           float* out) {
+  const QuantPages K{k->format, k->codes, k->scale, k->zero, kv_heads, head_dim};
+  const QuantPages V{v->format, v->codes, v->scale, v->zero, kv_heads, head_dim};
+  PrefillTask<float> t{q, nullptr, nullptr, block_table, heads, kv_heads, head_dim, block_size,
+                       num_computed, window, scale, out, &K, &V};
   prefill_attention(t, n_new);
 }

@@ -1,78 +1,73 @@
-// tokenmill CPU kernels: paged decode attention on a quantized KV cache (layers/kv_quant.py),
-// the pages read in place and dequantized in registers a few rows at a time into an L1
-// scratch, so a step reads the cache's quantized bytes, never a float copy of the history.
-//
-//   int8  codes int8 (head_dim per token and head), one fp16 scale:   x = q * s
-//   int4  codes: byte j = value j (low nibble) | value j + head_dim / 2 (high); an fp16 scale
-//         and minimum per 16 values:                                  x = q * s + m
-// (int4 stores a rotation of K and V: the caller rotates q and un-rotates the output.)
+// tokenmill CPU kernels: paged decode attention on a quantized KV cache (kv_pages.h), the
+// pages read in place, so a step reads the cache's quantized bytes, never a float copy: rows are
+// dequantized a few at a time into an L1 scratch that every query head of the KV head reads.
+// Tasks hold all KV heads of a sequence when there are many sequences (one contiguous run per
+// cache row), else one KV head; when even those are fewer than 4 per thread, each sequence's
+// positions are split between tasks (partial softmax sums, combined at the end).
 #include "attention_common.h"
+#include "kv_pages.h"
 #include "tm.h"
 #include "vec.h"
 
 namespace tm {
 
-constexpr int64_t kGroup4 = 16;  // int4 values per scale
-
-struct QuantPages {
-  int fmt;
-  const void* codes;
-  const uint16_t* scale;
-  const uint16_t* zero;
-  int64_t Hk, D;
-
-  // head h's D values at cache slot `slot` -> dst (float32)
-  void row(int64_t slot, int64_t h, float* dst) const {
-    const int64_t at = slot * Hk + h;
-    if (fmt == TM_KV_INT8) {
-      const int8_t* q = static_cast<const int8_t*>(codes) + at * D;
-      vec s = vset1(vhalf(scale[at]));
-      int64_t i = 0;
-      for (; i + kLanes <= D; i += kLanes) vstore(dst + i, vmul(vload_i8(q + i), s));
-      for (; i < D; ++i) dst[i] = q[i] * vhalf(scale[at]);
-      return;
-    }
-    const uint8_t* q = static_cast<const uint8_t*>(codes) + at * (D / 2);
-    const int64_t groups = D / kGroup4;
-    for (int64_t g = 0; g < groups; ++g) {
-      vec s = vset1(vhalf(scale[at * groups + g])), m = vset1(vhalf(zero[at * groups + g]));
-      const int64_t k0 = g * kGroup4;
-      const bool low = k0 < D / 2;
-      const uint8_t* bytes = q + (low ? k0 : k0 - D / 2);
-      for (int64_t v = 0; v < kGroup4; v += kLanes) {
-        vec x = low ? vload_lo4(bytes + v) : vload_hi4(bytes + v);
-        vstore(dst + k0 + v, vfma(x, s, m));
-      }
-    }
-  }
+struct Part {  // one task's share: KV heads [h0, h0 + nh) of sequence b, positions [p0, p1)
+  int64_t b, h0, nh, p0, p1;
 };
 
-// The query heads of KV head h of one sequence (`group` of them, q pre-scaled) against its
-// quantized history [start, L).
-void attend_quant(const float* qf, const QuantPages& K, const QuantPages& V,
-                  const int64_t* table, int64_t start, int64_t L, int64_t BS, int64_t h,
-                  int64_t group, float* scores, float* buf, float* acc, float* out) {
-  const int64_t D = K.D, n = L - start, Dp = (D + kLanes - 1) / kLanes * kLanes;
-  auto rows_of = [&](const QuantPages& c, int64_t p, int64_t rows) {  // rows -> buf (ld Dp)
-    for (int64_t j = 0; j < rows; ++j)
-      c.row(table[(p + j) / BS] * BS + (p + j) % BS, h, buf + j * Dp);
+// Unnormalized attention of the task's query heads (group per KV head, qf pre-scaled) over its
+// positions: m[g] the largest score, l[g] the sum of exp(score - m), acc[g] the weighted values.
+template <int KF, int VF>
+void attend_part(const float* qf, const QuantPages& K,
+                 const QuantPages& V, const int64_t* table, const Part& t, int64_t BS,
+                 int64_t group, float* scores, float* buf, float* acc, float* m, float* l) {
+  const int64_t D = K.D, n = t.p1 - t.p0, Dp = (D + kLanes - 1) / kLanes * kLanes;
+  const int64_t nq = t.nh * group;
+  auto slot = [&](int64_t p) { return table[p / BS] * BS + p % BS; };
+  auto take = [&](int64_t p) { return std::min({kRows, t.p1 - p, BS - p % BS}); };
+  // chunks of rows inside one block, the next prefetched into L1 and the one after into L2
+  auto walk = [&](const QuantPages& c, auto fn) {
+    for (int64_t p = t.p0, rows; p < t.p1; p += rows) {
+      rows = take(p);
+      if (p + rows < t.p1) {
+        const int64_t r1 = take(p + rows);
+        c.prefetch(slot(p + rows), r1, t.h0, t.nh, true);
+        if (p + rows + r1 < t.p1) c.prefetch(slot(p + rows + r1), take(p + rows + r1), t.h0, t.nh, false);
+      }
+      fn(p - t.p0, rows, slot(p));
+    }
   };
-  for (int64_t p = start; p < L;) {
-    const int64_t rows = std::min({kRows, L - p, BS - p % BS});
-    rows_of(K, p, rows);
-    for (int64_t g = 0; g < group; ++g) score(qf + g * Dp, buf, Dp, rows, D, scores + g * n + p - start);
-    p += rows;
+  walk(K, [&](int64_t at, int64_t rows, int64_t s0) {
+    for (int64_t hh = 0; hh < t.nh; ++hh) {
+      const int64_t h = t.h0 + hh;
+      for (int64_t j = 0; j < rows; ++j) K.row<KF>(s0 + j, h, buf + j * Dp);
+      for (int64_t g = hh * group; g < (hh + 1) * group; ++g)
+        score(qf + g * Dp, buf, Dp, rows, D, scores + g * n + at);
+    }
+  });
+  for (int64_t g = 0; g < nq; ++g) {  // exp(score - max), unnormalized
+    float* s = scores + g * n;
+    float mx = -INFINITY, total = 0.f;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+    vec vm = vset1(mx), sum = vzero();
+    int64_t i = 0;
+    for (; i + kLanes <= n; i += kLanes) {
+      vec e = vexp(vsub(vload(s + i), vm));
+      vstore(s + i, e);
+      sum = vadd(sum, e);
+    }
+    total = vsum(sum);
+    for (; i < n; ++i) total += (s[i] = std::exp(s[i] - mx));
+    m[g] = mx, l[g] = total;
   }
-  for (int64_t g = 0; g < group; ++g) softmax(scores + g * n, n);
-  std::fill(acc, acc + group * Dp, 0.f);
-  for (int64_t p = start; p < L;) {
-    const int64_t rows = std::min({kRows, L - p, BS - p % BS});
-    rows_of(V, p, rows);
-    for (int64_t g = 0; g < group; ++g)
-      accumulate_rows(scores + g * n + p - start, buf, Dp, rows, D, acc + g * Dp);
-    p += rows;
-  }
-  for (int64_t g = 0; g < group; ++g) std::copy(acc + g * Dp, acc + g * Dp + D, out + g * D);
+  std::fill(acc, acc + nq * Dp, 0.f);
+  walk(V, [&](int64_t at, int64_t rows, int64_t s0) {
+    for (int64_t hh = 0; hh < t.nh; ++hh) {
+      for (int64_t j = 0; j < rows; ++j) V.row<VF>(s0 + j, t.h0 + hh, buf + j * Dp);
+      for (int64_t g = hh * group; g < (hh + 1) * group; ++g)
+        accumulate_rows(scores + g * n + at, buf, Dp, rows, D, acc + g * Dp);
+    }
+  });
 }
 
 }  // namespace tm
@@ -88,20 +83,57 @@ extern "C" void tm_decode_attention_quant(const float* q, const tm_kv_pages* k,
   const int64_t group = heads / kv_heads, D = head_dim, Dp = (D + kLanes - 1) / kLanes * kLanes;
   const QuantPages K{k->format, k->codes, k->scale, k->zero, kv_heads, D};
   const QuantPages V{v->format, v->codes, v->scale, v->zero, kv_heads, D};
+  const int64_t threads = g_threads;
   int64_t longest = 0, total = 0;
-  for (int64_t b = 0; b < batch; ++b) { longest = std::max(longest, seq_lens[b]); total += seq_lens[b]; }
-  const int64_t work = std::max<int64_t>(1, total / batch * D * group / 8);
-  parallel_for(0, batch * kv_heads, std::max<int64_t>(1, (1 << 14) / work), [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(longest * group), buf(kRows * Dp), qf(group * Dp, 0.f),
-        acc(group * Dp);
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, seq_lens[b]), total += seq_lens[b];
+  const int64_t nh = batch >= 4 * threads ? kv_heads : 1, units = batch * (kv_heads / nh);
+  int64_t splits = 1;  // positions split until there are 4 tasks per thread (>= 256 each)
+  while (units * splits < 4 * threads && longest / (2 * splits) >= 256) splits *= 2;
+  std::vector<Part> parts;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t L = seq_lens[b], start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    for (int64_t h0 = 0; h0 < kv_heads; h0 += nh)
+      for (int64_t s = 0; s < splits; ++s)
+        parts.push_back({b, h0, nh, start + (L - start) * s / splits,
+                         start + (L - start) * (s + 1) / splits});
+  }
+  // one instantiation per format (K and V are stored alike)
+  auto attend = K.fmt == TM_KV_INT8 ? attend_part<TM_KV_INT8, TM_KV_INT8>
+                : K.fmt == TM_KV_FP8 ? attend_part<TM_KV_FP8, TM_KV_FP8>
+                                     : attend_part<TM_KV_INT4, TM_KV_INT4>;
+  const int64_t per = nh * group, tasks = static_cast<int64_t>(parts.size());
+  std::vector<float> m(tasks * per), l(tasks * per), acc(tasks * per * Dp);
+  const int64_t work = std::max<int64_t>(1, total / batch / splits * D * per / 8);
+  parallel_for(0, tasks, std::max<int64_t>(1, (1 << 14) / work), [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores(((longest + splits - 1) / splits + 1) * per), buf(kRows * Dp),
+        qf(per * Dp, 0.f);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / kv_heads, h = t % kv_heads, L = seq_lens[b];
-      const int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      const float* qb = q + (b * heads + h * group) * D;
-      for (int64_t g = 0; g < group; ++g)
+      const Part& p = parts[t];
+      const float* qb = q + (p.b * heads + p.h0 * group) * D;
+      for (int64_t g = 0; g < per; ++g)
         for (int64_t i = 0; i < D; ++i) qf[g * Dp + i] = qb[g * D + i] * scale;
-      attend_quant(qf.data(), K, V, block_tables + b * max_blocks, start, L, block_size, h,
-                   group, scores.data(), buf.data(), acc.data(), out + (b * heads + h * group) * D);
+      attend(qf.data(), K, V, block_tables + p.b * max_blocks, p,
+                  block_size, group, scores.data(), buf.data(), acc.data() + t * per * Dp,
+                  m.data() + t * per, l.data() + t * per);
     }
   });
+  // combine each query head's splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
+  for (int64_t t = 0; t < tasks; t += splits) {
+    const Part& p = parts[t];
+    for (int64_t g = 0; g < per; ++g) {
+      float M = -INFINITY, denom = 0.f;
+      for (int64_t s = 0; s < splits; ++s)
+        if (parts[t + s].p1 > parts[t + s].p0) M = std::max(M, m[(t + s) * per + g]);
+      float* o = out + (p.b * heads + p.h0 * group + g) * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t s = 0; s < splits; ++s) {
+        if (parts[t + s].p1 <= parts[t + s].p0) continue;
+        const float w = std::exp(m[(t + s) * per + g] - M);
+        denom += w * l[(t + s) * per + g];
+        const float* a = acc.data() + ((t + s) * per + g) * Dp;
+        for (int64_t i = 0; i < D; ++i) o[i] += w * a[i];
+      }
+      for (int64_t i = 0; i < D; ++i) o[i] /= denom;
+    }
+  }
 }

@@ -24,8 +24,8 @@ void quant_kv_layer(const tm_decoder& m, int64_t l, const T* q, const T* k, cons
                     const int64_t* slots, const int64_t* tables, int64_t max_blocks,
                     const int64_t* lens, int64_t window, std::vector<char>& scratch) {
   const int64_t Hk = m.kv_heads, D = m.head_dim, Hq = m.heads;
-  const bool int8 = m.kv_format == TM_KV_INT8;
-  const int64_t code_bytes = int8 ? D : D / 2, groups = int8 ? 1 : D / 16;
+  const bool int4 = m.kv_format == TM_KV_INT4;
+  const int64_t code_bytes = int4 ? D / 2 : D, groups = int4 ? D / 16 : 1;
   const int64_t rows = slots_per_layer * Hk;
   auto pages = [&](void* codes, const uint16_t* scale, const uint16_t* zero) {
     return tm_kv_pages{m.kv_format, static_cast<char*>(codes) + l * rows * code_bytes,

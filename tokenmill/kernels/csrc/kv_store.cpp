@@ -2,6 +2,7 @@
 // arithmetic as layers/kv_quant.py's encoders (tests/test_kernels.py compares the two):
 //
 //   int8  s = fp16(max(max|x| / 127, 2**-14)); q = round(x / s) in [-127, 127]
+//   fp8   s = fp16(max(max|x| / 448, 2**-14)); q = e4m3(x / s), rounded to nearest even
 //   int4  x rotated (x @ R); per group of 16: for every clip (a, b) of (1, .95, .9, .85, .8)^2,
 //         lo = fp16(min * a), s = fp16(max((max * b - lo) / 15, 2**-14)),
 //         q = round((x - lo) / s) in [0, 15]; the first pair with the least squared error wins
@@ -27,6 +28,28 @@ void store_int8(const float* x, int64_t D, int8_t* q, uint16_t* scale) {
   const float s = half_to_f(s16);
   for (int64_t i = 0; i < D; ++i)
     q[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / s))));
+  *scale = s16;
+}
+
+// float in [-448, 448] -> fp8 e4m3 bits, rounded to nearest even (as PyTorch converts)
+uint8_t to_e4m3(float x) {
+  uint32_t b;
+  std::memcpy(&b, &x, 4);
+  const uint8_t sign = (b >> 24) & 0x80;
+  const float a = std::fabs(x);
+  if (a < 0x1p-6f)  // zero and subnormals: multiples of 2**-9 (8 of them is the least normal)
+    return sign | static_cast<uint8_t>(std::nearbyint(a * 0x1p9f));
+  uint32_t m = b & 0x7FFFFFFFu;
+  m = (m + 0x7FFFFu + ((m >> 20) & 1)) >> 20;  // 8 exponent + 3 mantissa bits, rounded
+  return sign | static_cast<uint8_t>((((m >> 3) - 120) << 3) | (m & 7));
+}
+
+void store_fp8(const float* x, int64_t D, uint8_t* q, uint16_t* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const uint16_t s16 = f_to_half(std::max(amax / 448.f, kMinScale));
+  const float s = half_to_f(s16);
+  for (int64_t i = 0; i < D; ++i) q[i] = to_e4m3(std::min(448.f, std::max(-448.f, x[i] / s)));
   *scale = s16;
 }
 
@@ -101,6 +124,11 @@ extern "C" void tm_kv_store(int format, const float* x, int64_t tokens, int64_t 
       if (format == TM_KV_INT8) {
         store_int8(src, D, static_cast<int8_t*>(const_cast<void*>(pages->codes)) + at * D,
                    const_cast<uint16_t*>(pages->scale) + at);
+        continue;
+      }
+      if (format == TM_KV_FP8) {
+        store_fp8(src, D, static_cast<uint8_t*>(const_cast<void*>(pages->codes)) + at * D,
+                  const_cast<uint16_t*>(pages->scale) + at);
         continue;
       }
       if (rotation) {

@@ -67,7 +67,7 @@ typedef struct {
 #define TM_ACT_GELU_TANH 1
 
 /* What the fused decode step reads: the layers, the final norm and the rotary table; and how
- * its KV cache stores values: kv_format 0 = in the model's dtype, else TM_KV_INT8 / TM_KV_INT4
+ * its KV cache stores values: kv_format 0 = in the model's dtype, else TM_KV_INT8 / INT4 / FP8
  * with the caches' codes, their per-layer scales (and int4 minimums, and K/V rotation). */
 typedef struct {
   int32_t dtype;
@@ -135,7 +135,7 @@ TM_API void tm_prefill_attention(int dtype, const void* q, int64_t n_new, int64_
                                  int64_t window, float scale, void* out);
 /* One layer's quantized paged K or V (layers/kv_quant.py): codes (blocks, block_size, kv_heads,
  * width) and fp16 scales (and int4's minimums) per token and head; see attention_quant.cpp. */
-enum { TM_KV_INT8 = 1, TM_KV_INT4 = 2 };
+enum { TM_KV_INT8 = 1, TM_KV_INT4 = 2, TM_KV_FP8 = 3 };
 typedef struct {
   int32_t format;
   const void* codes;
@@ -147,6 +147,12 @@ typedef struct {
 TM_API void tm_kv_store(int format, const float* x, int64_t tokens, int64_t kv_heads,
                         int64_t head_dim, const float* rotation, const int64_t* slots,
                         const tm_kv_pages* pages);
+/* prefill attention as tm_prefill_attention, on a quantized cache; q and out float32 */
+TM_API void tm_prefill_attention_quant(const float* q, int64_t n_new, int64_t heads,
+                                       int64_t head_dim, const tm_kv_pages* k,
+                                       const tm_kv_pages* v, int64_t block_size, int64_t kv_heads,
+                                       const int64_t* block_table, int64_t num_computed,
+                                       int64_t window, float scale, float* out);
 /* decode attention as tm_decode_attention, on a quantized cache; q and out float32 */
 TM_API void tm_decode_attention_quant(const float* q, const tm_kv_pages* k, const tm_kv_pages* v,
                                       int64_t block_size, int64_t kv_heads,

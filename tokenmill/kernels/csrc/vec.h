@@ -9,6 +9,7 @@
 //   vmask_eq vnan_mask vor vany comparisons for argmax
 //   vload_panel                 2 x kLanes weights of a GEMM panel (see gemm.cpp)
 //   vload_lo4 vload_hi4 vload_i8  kLanes quantized codes (nibbles, int8) as floats; vhalf
+//   vload_fp8                   kLanes fp8 e4m3 codes as floats (exact)
 //   prefetch_l1 prefetch_l2     software prefetch (none in the portable build)
 #pragma once
 

@@ -101,6 +101,17 @@ inline vec vload_i8(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
+// fp8 e4m3 codes: kLanes bytes -> floats. The 7 magnitude bits land on float32's exponent and
+// mantissa, a multiply by 2**120 moves the bias from 127 to 7 (subnormals included), the sign
+// bit goes back on top.
+inline vec vload_fp8(const uint8_t* p) {
+  __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7F)), 20);
+  __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  vec f = _mm512_mul_ps(_mm512_castsi512_ps(mag), _mm512_set1_ps(0x1p120f));
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
+}
+
 inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
 inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
 

@@ -107,6 +107,18 @@ inline vec vload_i8(const int8_t* p) {
   return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(w)))};
 }
 
+// fp8 e4m3 codes -> floats (see vec_avx512.h)
+inline float32x4_t fp8x4(uint32x4_t b) {
+  uint32x4_t mag = vshlq_n_u32(vandq_u32(b, vdupq_n_u32(0x7F)), 20);
+  uint32x4_t sign = vshlq_n_u32(vandq_u32(b, vdupq_n_u32(0x80)), 24);
+  float32x4_t f = vmulq_f32(vreinterpretq_f32_u32(mag), vdupq_n_f32(0x1p120f));
+  return vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(f), sign));
+}
+inline vec vload_fp8(const uint8_t* p) {
+  uint16x8_t w = vmovl_u8(vld1_u8(p));
+  return {fp8x4(vmovl_u16(vget_low_u16(w))), fp8x4(vmovl_u16(vget_high_u16(w)))};
+}
+
 inline void prefetch_l1(const void* p) { __builtin_prefetch(p, 0, 3); }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 

@@ -88,6 +88,18 @@ inline vec vload_i8(const int8_t* p) {
   return r;
 }
 
+// fp8 e4m3 codes -> floats, bit by bit as the vector builds do it (see vec_avx512.h)
+inline vec vload_fp8(const uint8_t* p) {
+  vec r;
+  for (int i = 0; i < kLanes; ++i) {
+    uint32_t mag = static_cast<uint32_t>(p[i] & 0x7F) << 20;
+    float f;
+    std::memcpy(&f, &mag, 4);
+    r.x[i] = (p[i] & 0x80 ? -f : f) * 0x1p120f;
+  }
+  return r;
+}
+
 inline void prefetch_l1(const void*) {}
 inline void prefetch_l2(const void*) {}
 
