@@ -71,10 +71,11 @@ def test_decode_attention_on_quantized_pages(kops, fmt, window, threads, seqs):
 @pytest.mark.parametrize(("computed", "new", "window"), [(0, 37, None), (150, 21, None),
                                                            (300, 64, 100), (5, 1, None)])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-def test_prefill_attention_on_quantized_pages(kops, fmt, computed, new, window, threads):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_on_quantized_pages(kops, fmt, computed, new, window, threads, dtype):
     """A prefill chunk against its quantized history (prefix-cache hits, chunked prefill), read
     a key tile at a time, against the plain path: gather, dequantize, SDPA (through the layer,
-    so int4's rotation of q and the output is included)."""
+    so int4's rotation of q and the output is included); a bf16 model's keys in bf16."""
     from tokenmill.layers.attention import AttentionContext, PagedAttention, PrefillChunk
     from tokenmill.layers.kv_cache import KVCache
 
@@ -86,14 +87,14 @@ def test_prefill_attention_on_quantized_pages(kops, fmt, computed, new, window, 
     slots = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(length)])
     k, v = torch.randn(length, hk, d) * 2, torch.randn(length, hk, d)
     cache.store(0, k, v, slots)
-    q = torch.randn(new, hq, d)
+    q = torch.randn(new, hq, d).to(dtype)
     ctx = AttentionContext(cache, slots[computed:], 0,
                            prefills=[PrefillChunk(0, new, computed, table)])
     attn = PagedAttention(hq, hk, d, 0, sliding_window=window)
     attn.ops = kops
     fast = attn._prefill(q, k[computed:], v[computed:], ctx.prefills[0], ctx)
     attn.ops = ops.TorchOps()
-    close(fast, attn._prefill(q, k[computed:], v[computed:], ctx.prefills[0], ctx), torch.float32)
+    close(fast, attn._prefill(q, k[computed:], v[computed:], ctx.prefills[0], ctx), dtype)
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "int4"])

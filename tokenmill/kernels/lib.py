@@ -89,8 +89,8 @@ _SIGNATURES = {
                                     _P]),
     "tm_decode_attention_quant": (None, [_P, POINTER(KVPages), POINTER(KVPages), _I, _I, _P, _I,
                                          _P, _I, _I, _I, _I, c_float, _P]),
-    "tm_prefill_attention_quant": (None, [_P, _I, _I, _I, POINTER(KVPages), POINTER(KVPages), _I,
-                                          _I, _P, _I, _I, c_float, _P]),
+    "tm_prefill_attention_quant": (None, [c_int, _P, _I, _I, _I, POINTER(KVPages),
+                                          POINTER(KVPages), _I, _I, _P, _I, _I, c_float, _P]),
     "tm_kv_store": (None, [c_int, _P, _I, _I, _I, _P, _P, POINTER(KVPages)]),
     "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, POINTER(KVPool), _I]),
 }
@@ -292,17 +292,17 @@ class KernelLib:
     def prefill_attention_quant(self, q, fmt: str, k_parts, v_parts, block_table, num_computed,
                                 window, scale):
         """prefill_attention on one layer's quantized cache (parts as decode_attention_quant);
-        float32 in and out."""
+        q float32 or bfloat16 (keys rounded to bf16 then), out in q's dtype."""
         _check(q.dim() == 3 and fmt in KV_FORMATS and k_parts[0].shape[2] == v_parts[0].shape[2]
                and all(p.is_contiguous() for p in (*k_parts, *v_parts))
                and q.shape[1] % k_parts[0].shape[2] == 0, "prefill_attention_quant: bad parts")
-        q = q.float().contiguous()
+        q = (q if q.dtype == torch.bfloat16 else q.float()).contiguous()
         table = block_table.to(torch.int64).contiguous()
         out = torch.empty_like(q)
         k, v = _pages(fmt, k_parts), _pages(fmt, v_parts)
         self._sync_threads()
-        self._lib.tm_prefill_attention_quant(q.data_ptr(), *q.shape, ctypes.byref(k),
-                                             ctypes.byref(v), k_parts[0].shape[1],
+        self._lib.tm_prefill_attention_quant(DTYPES[q.dtype], q.data_ptr(), *q.shape,
+                                             ctypes.byref(k), ctypes.byref(v), k_parts[0].shape[1],
                                              k_parts[0].shape[2], table.data_ptr(), num_computed,
                                              window or 0, scale, out.data_ptr())
         return out

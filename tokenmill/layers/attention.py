@@ -142,24 +142,28 @@ class PagedAttention(nn.Module):
         out = self._sdpa(q, k, v, mask=ctx.decode_mask(self.sliding_window))
         return out[:, :, 0, :]
 
-    def _on_quantized_pages(self, kernel, q, cache, *where) -> torch.Tensor | None:
-        """A quantized-page kernel on this layer's parts, float32 q (a rotated format: q
-        rotated in, the output rotated back); None where the ops have no such kernel."""
+    def _on_quantized_pages(self, kernel, q, cache, *where, keep_dtype=False):
+        """A quantized-page kernel on this layer's parts, float32 q (or q's dtype: keep_dtype)
+        (a rotated format: q rotated in, the output rotated back); None where the ops have no
+        such kernel."""
         fmt, qf = cache.format, q.float()
         if fmt.rotated:
             qf = qf @ fmt.rotation(q.shape[-1], q.device)
+        if keep_dtype:
+            qf = qf.to(q.dtype)
         out = kernel(qf, fmt.name, [p[self.layer_idx] for p in cache.k],
                      [p[self.layer_idx] for p in cache.v], *where, self.sliding_window,
                      self.scale)
         if out is not None and fmt.rotated:
-            out = out @ fmt.rotation(q.shape[-1], q.device).T
+            out = out.float() @ fmt.rotation(q.shape[-1], q.device).T
         return None if out is None else out.to(q.dtype)
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, ctx: AttentionContext) -> torch.Tensor:
         if ctx.kv_cache.quantized:  # dequantized a tile at a time, no float copy of the history
             out = self._on_quantized_pages(self.ops.prefill_attention_quant,
                                            q[chunk.start : chunk.end], ctx.kv_cache,
-                                           chunk.block_table, chunk.num_computed)
+                                           chunk.block_table, chunk.num_computed,
+                                           keep_dtype=True)
             if out is not None:
                 return out
         elif ctx.kv_cache.lossless(q.dtype):  # the paged kernel reads the blocks in place

@@ -9,8 +9,8 @@ namespace tm {
 
 constexpr int64_t kRows = 16;  // cache rows handled (and prefetched) at a time
 
-// softmax in place over n scores
-inline void softmax(float* s, int64_t n) {
+// s[i] = exp(s[i] - max) in place over n scores; *mx_out = the max, returns the sum
+inline float exp_shifted(float* s, int64_t n, float* mx_out) {
   float mx = -INFINITY;
   for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
   vec m = vset1(mx), sum = vzero();
@@ -22,8 +22,17 @@ inline void softmax(float* s, int64_t n) {
   }
   float total = vsum(sum);
   for (; i < n; ++i) { s[i] = std::exp(s[i] - mx); total += s[i]; }
+  *mx_out = mx;
+  return total;
+}
+
+// softmax in place over n scores
+inline void softmax(float* s, int64_t n) {
+  float mx;
+  const float total = exp_shifted(s, n, &mx);
   vec inv = vset1(1.0f / total);
-  for (i = 0; i + kLanes <= n; i += kLanes) vstore(s + i, vmul(vload(s + i), inv));
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vstore(s + i, vmul(vload(s + i), inv));
   for (; i < n; ++i) s[i] /= total;
 }
 

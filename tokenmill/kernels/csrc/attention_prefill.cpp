@@ -117,7 +117,7 @@ struct PrefillTask {
   int64_t Hq, Hk, D, BS, computed, window;
   float scale;
   T* out;
-  const QuantPages *kq = nullptr, *vq = nullptr;  // quantized pages (T = float) instead of kc, vc
+  const QuantPages *kq = nullptr, *vq = nullptr;  // quantized pages instead of kc, vc
 
   static constexpr bool kDot =
 #ifdef TM_ISA_AVX512_BF16
@@ -140,7 +140,11 @@ struct PrefillTask {
         const int64_t slot = table[(p + j) / BS] * BS + (p + j) % BS;
         float* row = sc.v.data() + j * Dp();
         dequant_row(*kq, slot, h, row);
-        for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeys + j] = row[d];
+        if constexpr (kDot)  // rounded to bf16 pairs, as a bf16 model's cache would hold them
+          for (int64_t d = 0; d < D / 2; ++d)
+            sc.kp[d * kKeys + j] = to_bf16(row[2 * d]).bits | uint32_t{to_bf16(row[2 * d + 1]).bits} << 16;
+        else
+          for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeys + j] = row[d];
         dequant_row(*vq, slot, h, row);
         continue;
       }
@@ -267,15 +271,22 @@ extern "C" void tm_prefill_attention(int dtype, const void* q, int64_t n_new, in
   prefill_attention(t, n_new);
 }
 
-extern "C" void tm_prefill_attention_quant(const float* q, int64_t n_new, int64_t heads,
+extern "C" void tm_prefill_attention_quant(int dtype, const void* q, int64_t n_new, int64_t heads,
                                            int64_t head_dim, const tm_kv_pages* k,
                                            const tm_kv_pages* v, int64_t block_size,
                                            int64_t kv_heads, const int64_t* block_table,
                                            int64_t num_computed, int64_t window, float scale,
-                                           float* out) {
+                                           void* out) {
   const QuantPages K{k->format, k->codes, k->scale, k->zero, kv_heads, head_dim};
   const QuantPages V{v->format, v->codes, v->scale, v->zero, kv_heads, head_dim};
-  PrefillTask<float> t{q, nullptr, nullptr, block_table, heads, kv_heads, head_dim, block_size,
-                       num_computed, window, scale, out, &K, &V};
+  if (dtype == TM_BF16) {  // keys rounded to bf16: the dot-product scores where the ISA has them
+    PrefillTask<bf16> t{static_cast<const bf16*>(q), nullptr, nullptr, block_table, heads,
+                        kv_heads, head_dim, block_size, num_computed, window, scale,
+                        static_cast<bf16*>(out), &K, &V};
+    return prefill_attention(t, n_new);
+  }
+  PrefillTask<float> t{static_cast<const float*>(q), nullptr, nullptr, block_table, heads,
+                       kv_heads, head_dim, block_size, num_computed, window, scale,
+                       static_cast<float*>(out), &K, &V};
   prefill_attention(t, n_new);
 }

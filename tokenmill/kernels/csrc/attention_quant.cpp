@@ -17,9 +17,9 @@ struct Part {  // one task's share: KV heads [h0, h0 + nh) of sequence b, positi
 
 // Unnormalized attention of the task's query heads (group per KV head, qf pre-scaled) over its
 // positions: m[g] the largest score, l[g] the sum of exp(score - m), acc[g] the weighted values.
-template <int KF, int VF>
-void attend_part(const float* qf, const QuantPages& K,
-                 const QuantPages& V, const int64_t* table, const Part& t, int64_t BS,
+template <int F>  // the pages' format (K and V are stored alike)
+void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, const int64_t* table,
+                 const Part& t, int64_t BS,
                  int64_t group, float* scores, float* buf, float* acc, float* m, float* l) {
   const int64_t D = K.D, n = t.p1 - t.p0, Dp = (D + kLanes - 1) / kLanes * kLanes;
   const int64_t nq = t.nh * group;
@@ -40,30 +40,16 @@ void attend_part(const float* qf, const QuantPages& K,
   walk(K, [&](int64_t at, int64_t rows, int64_t s0) {
     for (int64_t hh = 0; hh < t.nh; ++hh) {
       const int64_t h = t.h0 + hh;
-      for (int64_t j = 0; j < rows; ++j) K.row<KF>(s0 + j, h, buf + j * Dp);
+      for (int64_t j = 0; j < rows; ++j) K.row<F>(s0 + j, h, buf + j * Dp);
       for (int64_t g = hh * group; g < (hh + 1) * group; ++g)
         score(qf + g * Dp, buf, Dp, rows, D, scores + g * n + at);
     }
   });
-  for (int64_t g = 0; g < nq; ++g) {  // exp(score - max), unnormalized
-    float* s = scores + g * n;
-    float mx = -INFINITY, total = 0.f;
-    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
-    vec vm = vset1(mx), sum = vzero();
-    int64_t i = 0;
-    for (; i + kLanes <= n; i += kLanes) {
-      vec e = vexp(vsub(vload(s + i), vm));
-      vstore(s + i, e);
-      sum = vadd(sum, e);
-    }
-    total = vsum(sum);
-    for (; i < n; ++i) total += (s[i] = std::exp(s[i] - mx));
-    m[g] = mx, l[g] = total;
-  }
+  for (int64_t g = 0; g < nq; ++g) l[g] = exp_shifted(scores + g * n, n, m + g);  // unnormalized
   std::fill(acc, acc + nq * Dp, 0.f);
   walk(V, [&](int64_t at, int64_t rows, int64_t s0) {
     for (int64_t hh = 0; hh < t.nh; ++hh) {
-      for (int64_t j = 0; j < rows; ++j) V.row<VF>(s0 + j, t.h0 + hh, buf + j * Dp);
+      for (int64_t j = 0; j < rows; ++j) V.row<F>(s0 + j, t.h0 + hh, buf + j * Dp);
       for (int64_t g = hh * group; g < (hh + 1) * group; ++g)
         accumulate_rows(scores + g * n + at, buf, Dp, rows, D, acc + g * Dp);
     }
@@ -97,10 +83,9 @@ extern "C" void tm_decode_attention_quant(const float* q, const tm_kv_pages* k,
         parts.push_back({b, h0, nh, start + (L - start) * s / splits,
                          start + (L - start) * (s + 1) / splits});
   }
-  // one instantiation per format (K and V are stored alike)
-  auto attend = K.fmt == TM_KV_INT8 ? attend_part<TM_KV_INT8, TM_KV_INT8>
-                : K.fmt == TM_KV_FP8 ? attend_part<TM_KV_FP8, TM_KV_FP8>
-                                     : attend_part<TM_KV_INT4, TM_KV_INT4>;
+  auto attend = K.fmt == TM_KV_INT8  ? attend_part<TM_KV_INT8>
+                : K.fmt == TM_KV_FP8 ? attend_part<TM_KV_FP8>
+                                     : attend_part<TM_KV_INT4>;
   const int64_t per = nh * group, tasks = static_cast<int64_t>(parts.size());
   std::vector<float> m(tasks * per), l(tasks * per), acc(tasks * per * Dp);
   const int64_t work = std::max<int64_t>(1, total / batch / splits * D * per / 8);

@@ -147,12 +147,12 @@ typedef struct {
 TM_API void tm_kv_store(int format, const float* x, int64_t tokens, int64_t kv_heads,
                         int64_t head_dim, const float* rotation, const int64_t* slots,
                         const tm_kv_pages* pages);
-/* prefill attention as tm_prefill_attention, on a quantized cache; q and out float32 */
-TM_API void tm_prefill_attention_quant(const float* q, int64_t n_new, int64_t heads,
+/* prefill attention as tm_prefill_attention, on a quantized cache; q and out TM_F32 / TM_BF16 */
+TM_API void tm_prefill_attention_quant(int dtype, const void* q, int64_t n_new, int64_t heads,
                                        int64_t head_dim, const tm_kv_pages* k,
                                        const tm_kv_pages* v, int64_t block_size, int64_t kv_heads,
                                        const int64_t* block_table, int64_t num_computed,
-                                       int64_t window, float scale, float* out);
+                                       int64_t window, float scale, void* out);
 /* decode attention as tm_decode_attention, on a quantized cache; q and out float32 */
 TM_API void tm_decode_attention_quant(const float* q, const tm_kv_pages* k, const tm_kv_pages* v,
                                       int64_t block_size, int64_t kv_heads,
