@@ -1,8 +1,11 @@
 """Decode speed by KV cache dtype: a step of 16 sequences with 2,048 tokens of context each,
 and one sequence at ~8K tokens (8,150: the model's limit is 8,192), default model, same run;
 only steps after every prompt is in are timed. Quantized caches are written and read in
-place by the kernels (kernels/csrc/kv_store.cpp, attention_quant.cpp). Prints a table and
-ends with one JSON line.
+place by the kernels (kernels/csrc/kv_store.cpp, attention_quant.cpp). Also prefill over a
+long quantized history: 512 new tokens after a 4,096-token prefix-cache hit, with the kernel
+that reads the pages a tile at a time (attention_prefill.cpp) and with the plain path it
+replaced (gather the history, dequantize it, SDPA). Prints a table and ends with one JSON
+line.
 
     python benchmarks/kv_speed.py [--dtypes bfloat16,int8,fp8_e4m3,int4] [--threads 2]
 """
@@ -41,6 +44,34 @@ def step_ms(kv: str, seqs: int, context: int, threads: int, new: int = 32) -> fl
     return 1e3 * statistics.median(gaps)
 
 
+def prefill_ms(kv: str, threads: int, plain: bool, prefix: int = 4096, new: int = 512) -> float:
+    """Median time to the first token of `new` prompt tokens after a `prefix`-token prefix
+    cache hit (three different continuations); plain: without the quantized-page kernel."""
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.layers import ops
+
+    real = ops.KernelOps.prefill_attention_quant
+    if plain:
+        ops.KernelOps.prefill_attention_quant = lambda *a, **k: None
+    try:
+        llm = LLM("smollm2-135m-instruct", kv_cache_dtype=kv, max_num_seqs=1,
+                  max_model_len=prefix + new + 16, num_threads=threads,
+                  max_num_batched_tokens=new, enable_prefix_caching=True)
+        rng = random.Random(1)
+        head = [rng.randrange(100, 40000) for _ in range(prefix)]
+        params = SamplingParams(temperature=0, max_tokens=1)
+        llm.generate({"prompt_token_ids": head}, params, use_tqdm=False)
+        times = []
+        for _ in range(3):
+            tail = [rng.randrange(100, 40000) for _ in range(new)]
+            out = llm.generate({"prompt_token_ids": head + tail}, params, use_tqdm=False)[0]
+            assert out.metrics.num_cached_tokens >= prefix - 16
+            times.append(out.metrics.first_token_time - out.metrics.first_scheduled_time)
+        return 1e3 * statistics.median(times)
+    finally:
+        ops.KernelOps.prefill_attention_quant = real
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="bfloat16,int8,fp8_e4m3,int4")
@@ -51,17 +82,21 @@ def main() -> None:
     rows = {}
     for kv in args.dtypes.split(","):
         rows[kv] = {"batch16_ctx2048_ms": step_ms(kv, 16, 2048, args.threads),
-                    "single_ctx8192_ms": step_ms(kv, 1, 8150, args.threads)}
+                    "single_ctx8192_ms": step_ms(kv, 1, 8150, args.threads),
+                    "prefill512_after4096_ms": prefill_ms(kv, args.threads, False)}
+        if kv not in ("bfloat16", "float32", "float16"):
+            rows[kv]["prefill512_after4096_plain_ms"] = prefill_ms(kv, args.threads, True)
         print(f"{kv}: done", file=sys.stderr)
     base = rows.get("bfloat16")
     print(f"{describe_cpu()}, {args.threads} threads, SmolLM2-135M-Instruct (default weights)")
     print(f"{'kv dtype':<10}{'16 x 2048 step ms':>19}{'vs bf16':>9}{'1 x 8192 ITL ms':>17}"
-          f"{'vs bf16':>9}")
+          f"{'vs bf16':>9}{'prefill 512 @4K ms':>20}{'plain path ms':>15}")
     for kv, r in rows.items():
         a = r["batch16_ctx2048_ms"] / base["batch16_ctx2048_ms"] if base else float("nan")
         b = r["single_ctx8192_ms"] / base["single_ctx8192_ms"] if base else float("nan")
         print(f"{kv:<10}{r['batch16_ctx2048_ms']:>19.1f}{a:>8.2f}x"
-              f"{r['single_ctx8192_ms']:>17.2f}{b:>8.2f}x")
+              f"{r['single_ctx8192_ms']:>17.2f}{b:>8.2f}x{r['prefill512_after4096_ms']:>20.1f}"
+              f"{r.get('prefill512_after4096_plain_ms', float('nan')):>15.1f}")
     print(json.dumps({"benchmark": "kv_speed", "cpu": describe_cpu(), "threads": args.threads,
                       "results": rows}, sort_keys=True))
 

@@ -1,6 +1,12 @@
 """The int4 KV variants benchmarks/kv_quality.py --ablation compares (quality only: each stores
 its values quantized and dequantized again, in float32, so no kernel is involved). The final
-format is layers/kv_quant.py's Int4Format (rotated, groups of 16, clipped)."""
+format is layers/kv_quant.py's Int4Format (rotated, groups of 16, clipped). Bytes per value
+are for head_dim 64 (K and V averaged); 3.5x bf16's capacity needs <= 0.571.
+
+Also here: K and V apart (the other kept in float32), which shows where the loss is, and
+KIVI-style keys quantized per channel over each 16-token block (the scoring stores chunks of
+16 from position 0, so a stored chunk is one cache block; an engine would keep a block's open
+tail in bf16 until it is full)."""
 
 from __future__ import annotations
 
@@ -42,11 +48,45 @@ class Simulated(KVFormat):
         return (fn(x).float(),)
 
 
+def symmetric(x: torch.Tensor, group: int, bits: int) -> torch.Tensor:
+    """Rotated, symmetric round-to-nearest per `group` values (2**bits levels, no zero level,
+    one fp16 scale), the scale shrunk where that lowers the group's squared error."""
+    d, n = x.shape[-1], 1 << bits
+    r = rotation(d).to(x.device)
+    g = (x.float() @ r).unflatten(-1, (d // group, group))[..., None, :]
+    shrink = torch.tensor([1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6])[:, None]
+    scale = (g.abs().amax(-1, keepdim=True) * shrink / ((n - 1) / 2)).clamp(min=_MIN_SCALE)
+    scale = scale.to(_SCALE).float()
+    y = (((g / scale) + (n - 1) / 2).round().clamp(0, n - 1) - (n - 1) / 2) * scale
+    best = (y - g).square().sum(-1).argmin(-1)[..., None, None]
+    y = y.gather(-2, best.expand(*best.shape[:-1], group))[..., 0, :]
+    return y.flatten(-2) @ r.T
+
+
+def per_channel(x: torch.Tensor, bits: int = 4) -> torch.Tensor:
+    """Asymmetric per channel over the stored tokens (one 16-token block), fp16 scale and
+    minimum per channel, the range shrunk where that lowers the channel's squared error."""
+    n, y, best, err = (1 << bits) - 1, x.float(), None, None
+    for c in (1.0, 0.9, 0.8, 0.7):
+        lo = (y.amin(0, keepdim=True) * c).to(_SCALE).float()
+        s = ((y.amax(0, keepdim=True) * c - lo) / n).clamp(min=_MIN_SCALE).to(_SCALE).float()
+        z = ((y - lo) / s).round().clamp(0, n) * s + lo
+        e = (z - y).square().sum(0, keepdim=True)
+        best, err = (z, e) if best is None else (torch.where(e < err, z, best),
+                                                 torch.minimum(e, err))
+    return best
+
+
 def _sim(group, bits, rotate, k=None):
     v_fn = lambda x: fake_quant(x, group, bits, rotate)  # noqa: E731
     return lambda: Simulated(k or v_fn, v_fn)
 
 
+def _kv(k_fn, v_fn):
+    return lambda: Simulated(k_fn, v_fn)
+
+
+_float = lambda x: x.float()  # noqa: E731
 _final = Int4Format()
 _final_fn = lambda x: _final.decode(_final.encode(x), torch.float32)  # noqa: E731
 _int8 = lambda x: fake_quant(x, 64, 8, False)  # noqa: E731
@@ -60,6 +100,16 @@ VARIANTS = {
     "int4 rotated, groups of 16": (_sim(16, 4, True), 0.75),
     "int4 rotated, 16, clipped (final)": (lambda: Simulated(_final_fn, _final_fn), 0.75),
     "K int8 / V int4 final": (lambda: Simulated(_int8, _final_fn), (1.03 + 0.75) / 2),
+    "int4 rotated, 32, symmetric clipped": (_kv(lambda x: symmetric(x, 32, 4)), 0.5625),
+    "K final, V float": (_kv(_final_fn, _float), (0.75 + 4) / 2),
+    "K float, V final": (_kv(_float, _final_fn), (4 + 0.75) / 2),
+    "K rot. sym 32, V float": (_kv(lambda x: symmetric(x, 32, 4), _float), (0.5625 + 4) / 2),
+    "K float, V rot. sym 32": (_kv(_float, lambda x: symmetric(x, 32, 4)), (4 + 0.5625) / 2),
+    "K float, V rot. sym 64": (_kv(_float, lambda x: symmetric(x, 64, 4)), (4 + 0.53125) / 2),
+    "K float, V int3 sym 32": (_kv(_float, lambda x: symmetric(x, 32, 3)), (4 + 0.4375) / 2),
+    "K per-channel/16 tok, V float": (_kv(per_channel, _float), (4 + 0.75) / 2),
+    "K per-channel, V rot. sym 64": (_kv(per_channel, lambda x: symmetric(x, 64, 4)),
+                                     (0.75 + 0.53125) / 2),
     "int3 rotated, groups of 32": (_sim(32, 3, True), 0.5),
     "int2 rotated, groups of 16": (_sim(16, 2, True), 0.5),
 }
