@@ -52,7 +52,8 @@ def serve_run(args, kv: str) -> dict:
                         "--output-len", str(args.output_len), "--save-result", str(out),
                         "--disable-tqdm"], check=True, env=env, cwd=ROOT,
                        stdout=subprocess.DEVNULL)
-        result = json.loads(out.read_text())
+        result = {k: v for k, v in json.loads(out.read_text()).items()
+                  if not isinstance(v, list)}  # the summary, not every request's timings
         result["num_preemptions"] = preemptions(url)
         log.seek(0)
         plan = [line.strip() for line in log if "KV cache" in line or "kv cache" in line]
