@@ -98,6 +98,23 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+def paged_history(length: int, block_size: int, kv_heads: int, head_dim: int, kv_dtype,
+                  k_scale: float = 1.0):
+    """A one-layer cache holding `length` random K/V rows in shuffled blocks: (cache, block
+    table, slots, k, v)."""
+    from tokenmill.layers.kv_cache import KVCache
+
+    blocks = length // block_size + 3
+    cache = KVCache(1, blocks, block_size, kv_heads, head_dim, kv_dtype, torch.device("cpu"))
+    table = torch.randperm(blocks)[: (length + block_size - 1) // block_size]
+    slots = torch.tensor([int(table[p // block_size]) * block_size + p % block_size
+                          for p in range(length)])
+    k = torch.randn(length, kv_heads, head_dim) * k_scale
+    v = torch.randn(length, kv_heads, head_dim)
+    cache.store(0, k, v, slots)
+    return cache, table, slots, k, v
+
+
 def random_prompts(
     count: int, lo: int, hi: int, vocab: int = 256, seed: int = 0
 ) -> list[list[int]]:

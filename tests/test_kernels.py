@@ -156,16 +156,12 @@ def test_decode_attention(kops, dtype, window, threads, block_size, seqs, head_d
                                                  (33, 17, 8), (0, 1, None), (5, 60, None)])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 def test_prefill_attention(kops, dtype, computed, new, window, threads):
+    from tests.conftest import paged_history
     from tokenmill.layers.attention import PagedAttention, chunk_mask
-    from tokenmill.layers.kv_cache import KVCache
 
     torch.manual_seed(4)
-    bs, hq, hk, d, length = 16, 6, 2, 40, computed + new
-    blocks = length // bs + 3
-    cache = KVCache(1, blocks, bs, hk, d, dtype, torch.device("cpu"))
-    table = torch.randperm(blocks)[: (length + bs - 1) // bs]
-    slots = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(length)])
-    cache.store(0, torch.randn(length, hk, d), torch.randn(length, hk, d), slots)
+    hq, hk, d, length = 6, 2, 40, computed + new
+    cache, table, _, _, _ = paged_history(length, 16, hk, d, dtype)
     q = torch.randn(new, hq, d).to(dtype)
     attn = PagedAttention(hq, hk, d, 0, sliding_window=window)
     fast = kops.lib.prefill_attention(q, cache.k[0][0], cache.v[0][0], table, computed, window,

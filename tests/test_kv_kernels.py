@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import random_prompts
+from tests.conftest import paged_history, random_prompts
 from tests.test_kernels import close, greedy, pytestmark  # noqa: F401 (the same skips)
 from tokenmill.layers import ops
 
@@ -77,16 +77,10 @@ def test_prefill_attention_on_quantized_pages(kops, fmt, computed, new, window, 
     a key tile at a time, against the plain path: gather, dequantize, SDPA (through the layer,
     so int4's rotation of q and the output is included); a bf16 model's keys in bf16."""
     from tokenmill.layers.attention import AttentionContext, PagedAttention, PrefillChunk
-    from tokenmill.layers.kv_cache import KVCache
 
     torch.manual_seed(8)
-    bs, hq, hk, d, length = 16, 6, 2, 64, computed + new
-    blocks = length // bs + 3
-    cache = KVCache(1, blocks, bs, hk, d, fmt, torch.device("cpu"))
-    table = torch.randperm(blocks)[: (length + bs - 1) // bs]
-    slots = torch.tensor([int(table[p // bs]) * bs + p % bs for p in range(length)])
-    k, v = torch.randn(length, hk, d) * 2, torch.randn(length, hk, d)
-    cache.store(0, k, v, slots)
+    hq, hk, d = 6, 2, 64
+    cache, table, slots, k, v = paged_history(computed + new, 16, hk, d, fmt, k_scale=2.0)
     q = torch.randn(new, hq, d).to(dtype)
     ctx = AttentionContext(cache, slots[computed:], 0,
                            prefills=[PrefillChunk(0, new, computed, table)])
