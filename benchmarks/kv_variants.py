@@ -100,7 +100,7 @@ VARIANTS = {
     "int4 rotated, groups of 16": (_sim(16, 4, True), 0.75),
     "int4 rotated, 16, clipped (final)": (lambda: Simulated(_final_fn, _final_fn), 0.75),
     "K int8 / V int4 final": (lambda: Simulated(_int8, _final_fn), (1.03 + 0.75) / 2),
-    "int4 rotated, 32, symmetric clipped": (_kv(lambda x: symmetric(x, 32, 4)), 0.5625),
+    "int4 rotated, 32, symmetric clipped": (_kv(*[lambda x: symmetric(x, 32, 4)] * 2), 0.5625),
     "K final, V float": (_kv(_final_fn, _float), (0.75 + 4) / 2),
     "K float, V final": (_kv(_float, _final_fn), (4 + 0.75) / 2),
     "K rot. sym 32, V float": (_kv(lambda x: symmetric(x, 32, 4), _float), (0.5625 + 4) / 2),
