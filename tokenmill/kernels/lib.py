@@ -15,7 +15,7 @@ MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 7
+ABI_VERSION = 8
 _P, _I = c_void_p, c_int64
 
 
