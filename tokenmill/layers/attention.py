@@ -146,11 +146,9 @@ class PagedAttention(nn.Module):
         """A quantized-page kernel on this layer's parts, float32 q (or q's dtype: keep_dtype)
         (a rotated format: q rotated in, the output rotated back); None where the ops have no
         such kernel."""
-        fmt, qf = cache.format, q.float()
-        if fmt.rotated:
-            qf = qf @ fmt.rotation(q.shape[-1], q.device)
-        if keep_dtype:
-            qf = qf.to(q.dtype)
+        fmt, dtype = cache.format, q.dtype if keep_dtype else torch.float32
+        qf = (q.float() @ fmt.rotation(q.shape[-1], q.device)).to(dtype) if fmt.rotated \
+            else q.to(dtype)
         out = kernel(qf, fmt.name, [p[self.layer_idx] for p in cache.k],
                      [p[self.layer_idx] for p in cache.v], *where, self.sliding_window,
                      self.scale)

@@ -57,22 +57,14 @@ struct QuantPages {
 
   // the codes and scales of `rows` consecutive slots from `slot`, KV heads [h0, h0 + nh)
   void prefetch(int64_t slot, int64_t rows, int64_t h0, int64_t nh, bool near) const {
-    auto span = [&](const void* base, int64_t unit) {
-      const char* p = static_cast<const char*>(base);
-      for (int64_t j = 0; j < rows; ++j) {
-        const char* a = p + ((slot + j) * Hk + h0) * unit;
-        for (int64_t b = 0; b < nh * unit; b += 64) near ? prefetch_l1(a + b) : prefetch_l2(a + b);
-      }
-    };
-    span(codes, code_bytes());
-    if (rows > 0) {  // scales: a short contiguous run
-      const char* s = reinterpret_cast<const char*>(scale);
-      const int64_t unit = 2 * groups();
-      for (int64_t b = 0; b < rows * Hk * unit; b += 64) {
-        near ? prefetch_l1(s + slot * Hk * unit + b) : prefetch_l2(s + slot * Hk * unit + b);
-        if (zero) near ? prefetch_l1(reinterpret_cast<const char*>(zero) + slot * Hk * unit + b)
-                       : prefetch_l2(reinterpret_cast<const char*>(zero) + slot * Hk * unit + b);
-      }
+    auto line = [&](const char* p) { near ? prefetch_l1(p) : prefetch_l2(p); };
+    const char* c = static_cast<const char*>(codes);
+    for (int64_t j = 0; j < rows; ++j)  // each row's KV heads [h0, h0 + nh)
+      for (int64_t b = 0; b < nh * code_bytes(); b += 64) line(c + ((slot + j) * Hk + h0) * code_bytes() + b);
+    const int64_t unit = 2 * groups(), from = slot * Hk * unit;  // scales: one short run
+    for (int64_t b = 0; b < rows * Hk * unit; b += 64) {
+      line(reinterpret_cast<const char*>(scale) + from + b);
+      if (zero) line(reinterpret_cast<const char*>(zero) + from + b);
     }
   }
 };
