@@ -97,7 +97,8 @@ def main() -> None:
         limits.append(hw_limits.measure())
         runs["llama.cpp"].append(llama_bench(gguf, args.threads, args.prompt, args.gen))
         runs["tokenmill"].append(tokenmill_bench(llm, args.prompt, args.gen, rng))
-    lim = {k: statistics.median(r[k] for r in limits) for k in limits[0]}
+    lim = {k: (statistics.median(r[k] for r in limits) if isinstance(v, float) else v)
+           for k, v in limits[0].items()}  # the numbers; "cpu" as it is
     weights = weight_bytes_per_token(llm.engine.runner.model)
     matmul_params = sum(p.numel() for n, p in llm.engine.runner.model.named_parameters()
                         if "proj" in n)

@@ -37,6 +37,21 @@ def test_isa_choice_follows_features_and_override(monkeypatch):
     assert isa.supported_isas() == ["scalar"]
 
 
+def test_amx_needs_the_cpu_features_and_the_os(monkeypatch):
+    """The AMX build runs only where the CPU has the tiles and Linux grants the process their
+    state (arch_prctl); otherwise the AVX512-BF16 build is the best."""
+    feats = {f: True for f in isa.NEEDS["amx"]}
+    monkeypatch.setattr(isa, "cpu_features", lambda: feats)
+    monkeypatch.setattr(isa, "isas_for", lambda arch=None: build.ARCH_ISAS["x86_64"])
+    monkeypatch.setattr(isa, "os_allows_amx", lambda: True)
+    assert isa.supported_isas()[:2] == ["amx", "avx512_bf16"]
+    monkeypatch.setattr(isa, "os_allows_amx", lambda: False)
+    assert isa.supported_isas()[0] == "avx512_bf16"
+    monkeypatch.setattr(isa, "os_allows_amx", lambda: True)
+    feats["amx_bf16"] = False
+    assert isa.supported_isas()[0] == "avx512_bf16"
+
+
 def test_arm_runs_neon_then_scalar(monkeypatch):
     monkeypatch.setattr(isa, "isas_for", lambda arch=None: build.isas_for("arm64"))
     assert isa.supported_isas() == ["neon", "scalar"]

@@ -56,7 +56,7 @@ def test_linear(kops, dtype, rows, k):
 def expected_pack(w: torch.Tensor, isa: str, nr: int) -> torch.Tensor:
     """The panel layouts gemm.cpp documents, built element by element."""
     n, k = w.shape
-    pairs = isa == "avx512_bf16" and w.dtype == torch.bfloat16
+    pairs = isa in ("amx", "avx512_bf16") and w.dtype == torch.bfloat16
     depth = (k + 1) // 2 * 2 if pairs else k
     panels = -(-n // nr)
     out = torch.zeros(panels * depth * nr, dtype=w.dtype)

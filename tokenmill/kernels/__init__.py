@@ -5,7 +5,7 @@ Where a library comes from: the one `pip install` built into this package (kerne
 it was built from the current sources, else one built on first use into
 $TOKENMILL_HOME/kernels/<source hash>/ (a few seconds). Without a compiler the engine runs its
 plain PyTorch reference ops. Overrides: TOKENMILL_KERNELS=0 (reference ops only),
-TOKENMILL_ISA=avx2|avx512|avx512_bf16|neon|scalar (force one build; scalar is the portable one).
+TOKENMILL_ISA=amx|avx512_bf16|avx512|avx2|neon|scalar (force one build; scalar is the portable one).
 """
 
 from __future__ import annotations

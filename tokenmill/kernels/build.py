@@ -18,6 +18,10 @@ CSRC = Path(__file__).parent / "csrc"
 
 # Best first. The x86 flags name exactly the extensions each vector layer uses (vec_*.h).
 ISA_FLAGS = {
+    # the AVX512-BF16 build plus AMX tiles for its bf16 GEMM (gemm_amx.h)
+    "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
+            "-mavx512vnni", "-mavx2", "-mfma", "-mf16c", "-mamx-tile", "-mamx-bf16",
+            "-DTM_ISA_AVX512_BF16"],
     "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                     "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",
@@ -26,7 +30,7 @@ ISA_FLAGS = {
     "neon": [],  # Advanced SIMD is part of every AArch64 CPU
     "scalar": [],  # plain C++: the portable build
 }
-ARCH_ISAS = {"x86_64": ("avx512_bf16", "avx512", "avx2", "scalar"),
+ARCH_ISAS = {"x86_64": ("amx", "avx512_bf16", "avx512", "avx2", "scalar"),
              "aarch64": ("neon", "scalar")}
 BASE_FLAGS = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-fno-math-errno",
               "-ffp-contract=off"]  # no silent FMA contraction: roundings match the references

@@ -117,6 +117,9 @@ struct RowBlocks {
 
 }  // namespace tm
 
+#ifdef TM_ISA_AMX
+#include "gemm_amx.h"
+#endif
 #ifdef TM_ISA_AVX512_BF16
 #include "gemm_dot.h"
 #endif

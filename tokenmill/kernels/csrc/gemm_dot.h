@@ -72,19 +72,34 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
   constexpr int MR = kDotTileRows;
   const int64_t tile_rows = row_invariant ? 1 : MR;
   const int64_t panels = (N + kPanel - 1) / kPanel, pairs = K / 2, total = (K + 1) / 2;
-  const RowBlocks rb(M, K, MR, sizeof(bf16));
+#ifdef TM_ISA_AMX  // whole tile steps of k on AMX, the rest (if any) below
+  const bool amx = amx_runs(M, K, row_invariant);
+  const int64_t tile_pairs = amx ? pairs / kAmxPairs * kAmxPairs : 0;
+#else
+  const bool amx = false;
+  const int64_t tile_pairs = 0;
+#endif
+  const RowBlocks rb(M, K, amx ? 32 : MR, sizeof(bf16));
   const int64_t block = rb.size, blocks = rb.count;
   parallel_for(0, blocks * panels, 1, [&](int64_t t0, int64_t t1) {
     thread_local std::vector<float> scratch;
     scratch.resize(block * kPanel);
     auto* acc = reinterpret_cast<float(*)[kPanel]>(scratch.data());
+#ifdef TM_ISA_AMX
+    AmxTiles tiles(amx);
+    thread_local std::vector<bf16> pad;
+    pad.resize(amx ? 32 * 2 * tile_pairs : 0);
+#endif
     for (int64_t t = t0; t < t1; ++t) {
       int64_t m0 = t / panels * block, rows = std::min(M, m0 + block) - m0, p = t % panels;
       const bf16* panel = w + p * panel_elems;
+#ifdef TM_ISA_AMX
+      if (amx) amx_panel(rows, x + m0 * K, K, panel, tile_pairs, acc, pad.data());
+#endif
       // the next chunk (of this panel, or the next one when this thread reads it next)
       const char* stop = reinterpret_cast<const char*>(panel + panel_elems) +
                          (t + 1 < t1 && p + 1 < panels ? panel_elems * 2 : 0);
-      for (int64_t kp = 0; kp < total; kp += kDotChunk) {
+      for (int64_t kp = tile_pairs; kp < total; kp += kDotChunk) {
         const char* pf = reinterpret_cast<const char*>(panel + (kp + kDotChunk) * 2 * kPanel);
         for (int64_t i = 0; i < rows; i += tile_rows)
           micro_dot_rows<MR>(std::min<int64_t>(tile_rows, rows - i), x + (m0 + i) * K, K, panel, kp,

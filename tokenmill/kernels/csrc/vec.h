@@ -22,7 +22,7 @@
 #elif defined(TM_ISA_SCALAR)
 #include "vec_scalar.h"
 #else
-#error "build with one of TM_ISA_AVX512_BF16, TM_ISA_AVX512, TM_ISA_AVX2, TM_ISA_NEON, TM_ISA_SCALAR"
+#error "build with one of TM_ISA_AMX, TM_ISA_AVX512_BF16, TM_ISA_AVX512, TM_ISA_AVX2, TM_ISA_NEON, TM_ISA_SCALAR"
 #endif
 
 namespace tm {

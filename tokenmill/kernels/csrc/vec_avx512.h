@@ -8,7 +8,9 @@
 namespace tm {
 
 constexpr int kLanes = 16;
-#ifdef TM_ISA_AVX512_BF16
+#if defined(TM_ISA_AMX)  // built with TM_ISA_AVX512_BF16 too: that build plus AMX tiles
+constexpr const char* kIsa = "amx";
+#elif defined(TM_ISA_AVX512_BF16)
 constexpr const char* kIsa = "avx512_bf16";
 #else
 constexpr const char* kIsa = "avx512";
