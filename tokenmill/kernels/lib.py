@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check  # noqa: F401
+from tokenmill.kernels.isa import os_allows_amx
 
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
@@ -110,6 +111,8 @@ class KernelLib(KVPageCalls):
             fn = getattr(self._lib, name)
             fn.restype, fn.argtypes = restype, argtypes
         self.isa = self._lib.tm_isa().decode()
+        if self.isa == "amx" and not os_allows_amx():  # a tile instruction would be SIGILL
+            raise ValueError(f"{path}: this process may not use AMX tiles (Linux refused)")
         self.source_hash = self._lib.tm_source_hash().decode()
         self.panel_rows = self._lib.tm_panel_rows()
         self.quant_fast = bool(self._lib.tm_quant_fast())

@@ -73,18 +73,22 @@ inline void tile_store(int t, void* p, int64_t stride) {
   }
 }
 
-// acc rows [0, n) (n <= 16), columns c0..c0+15, from tile t: straight when all 16 rows exist
-inline void store_rows(int t, float (*acc)[kPanel], int64_t n, int c0) {
-  if (n >= 16) return tile_store(t, acc[0] + c0, kPanel * sizeof(float));
-  alignas(64) float tmp[16][16];
-  tile_store(t, tmp, 64);
-  for (int64_t r = 0; r < n; ++r) std::memcpy(acc[r] + c0, tmp[r], 16 * sizeof(float));
+// The 16 x 32 float32 results of tiles t and t + 1 (columns 0-15, 16-31), rows [row0, row0 + n)
+// of the panel's output, handed to emit(rows, row0, n) from an L1-resident buffer.
+template <typename Emit>
+inline void emit_tiles(int t, int64_t row0, int64_t n, const Emit& emit) {
+  alignas(64) float tmp[16][kPanel];
+  tile_store(t, tmp[0], kPanel * sizeof(float));
+  tile_store(t + 1, tmp[0] + kLanes, kPanel * sizeof(float));
+  emit(tmp, row0, n);
 }
 
-// acc[0:rows] = x[0:rows] . panel over the k pairs [0, pairs) (a multiple of 16), 32 rows at a
-// time; pad holds 32 rows of 2 x pairs inputs for a last tile with fewer rows.
-inline void amx_panel(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel, int64_t pairs,
-                      float (*acc)[kPanel], bf16* pad) {
+// x[0:rows] . panel over the k pairs [0, pairs) (a multiple of 16), 32 rows at a time, each
+// 16 rows' results to emit (emit_tiles); pad holds 32 rows of 2 x pairs inputs for a last tile
+// with fewer rows.
+template <typename Emit>
+void amx_panel(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel, int64_t pairs,
+               bf16* pad, const Emit& emit) {
   const int64_t width = 2 * pairs, wstride = 2 * kPanel * sizeof(bf16);
   for (int64_t i = 0; i < rows; i += 32) {
     const int64_t n = std::min<int64_t>(32, rows - i);
@@ -114,12 +118,8 @@ inline void amx_panel(int64_t rows, const bf16* x, int64_t ldx, const bf16* pane
         _tile_dpbf16ps(3, 5, 7);
       }
     }
-    store_rows(0, acc + i, std::min<int64_t>(16, n), 0);
-    store_rows(1, acc + i, std::min<int64_t>(16, n), kLanes);
-    if (two) {
-      store_rows(2, acc + i + 16, n - 16, 0);
-      store_rows(3, acc + i + 16, n - 16, kLanes);
-    }
+    emit_tiles(0, i, std::min<int64_t>(16, n), emit);
+    if (two) emit_tiles(2, i + 16, n - 16, emit);
   }
 }
 

@@ -93,8 +93,25 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
     for (int64_t t = t0; t < t1; ++t) {
       int64_t m0 = t / panels * block, rows = std::min(M, m0 + block) - m0, p = t % panels;
       const bf16* panel = w + p * panel_elems;
+      const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+      const float* b = bias ? bias + n0 : nullptr;
+      auto store_rows = [&](const float (*res)[kPanel], int64_t r0, int64_t n) {
+        for (int64_t i = 0; i < n; ++i) {  // out[m0 + r0 + i, n0:n0 + cols] (+ bias)
+          const float (&row)[1][kPanel] = *reinterpret_cast<const float(*)[1][kPanel]>(res + i);
+          store_tile<1>(row, b, out + (m0 + r0 + i) * N + n0, N, cols);
+        }
+      };
 #ifdef TM_ISA_AMX
-      if (amx) amx_panel(rows, x + m0 * K, K, panel, tile_pairs, acc, pad.data());
+      if (amx && tile_pairs == total) {  // the whole k on tiles: results straight to out
+        amx_panel(rows, x + m0 * K, K, panel, tile_pairs, pad.data(), store_rows);
+        continue;
+      }
+      if (amx) {  // a k tail follows on VDPBF16PS, accumulating into acc
+        amx_panel(rows, x + m0 * K, K, panel, tile_pairs, pad.data(),
+                  [&](const float (*res)[kPanel], int64_t r0, int64_t n) {
+                    std::memcpy(acc[r0], res[0], n * sizeof(float[kPanel]));
+                  });
+      }
 #endif
       // the next chunk (of this panel, or the next one when this thread reads it next)
       const char* stop = reinterpret_cast<const char*>(panel + panel_elems) +
@@ -106,11 +123,7 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
                              std::min(total, kp + kDotChunk), pairs, kp == 0, acc + i,
                              i == 0 && pf < stop ? pf : nullptr);
       }
-      int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
-      for (int64_t i = 0; i < rows; ++i) {
-        const float (&row)[1][kPanel] = *reinterpret_cast<const float(*)[1][kPanel]>(acc + i);
-        store_tile<1>(row, bias ? bias + n0 : nullptr, out + (m0 + i) * N + n0, N, cols);
-      }
+      store_rows(acc, 0, rows);
     }
   });
 }
