@@ -69,8 +69,13 @@ def test_quantized_file_matches_transformers_gguf(tmp_path, arch):
     write_gguf(tmp_path / "m.gguf", arch, model.config, model.state_dict(), QUANT_MIX)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
-    ref = hf_logits(theirs)
-    assert (our_logits(tmp_path / "m.gguf") - ref).abs().max().item() < 1e-4 * ref.abs().max()
+    ref, exact = hf_logits(theirs), hf_logits(theirs.double())
+    # the random K-quant blocks make q and k large (~100), so float32 rounding in any GEMM order
+    # moves these logits by up to ~1e-4: measure both engines against float64 and allow ours a
+    # small multiple of transformers' own float32 error
+    hf_error = (ref.double() - exact).abs().max().item()
+    ours = (our_logits(tmp_path / "m.gguf").double() - exact).abs().max().item()
+    assert ours < max(1e-4 * ref.abs().max().item(), 5 * hf_error)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
