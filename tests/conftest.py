@@ -101,17 +101,20 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 def paged_history(length: int, block_size: int, kv_heads: int, head_dim: int, kv_dtype,
                   k_scale: float = 1.0):
     """A one-layer cache holding `length` random K/V rows in shuffled blocks: (cache, block
-    table, slots, k, v)."""
+    table, slots, k, v). A staged cache (int4) has a stage slot for every block, slot i for
+    block i (so stage rows are the slots, and a block table is also its stage table): its
+    full blocks are quantized, and every block's rows are in the stage."""
     from tokenmill.layers.kv_cache import KVCache
 
     blocks = length // block_size + 3
-    cache = KVCache(1, blocks, block_size, kv_heads, head_dim, kv_dtype, torch.device("cpu"))
+    cache = KVCache(1, blocks, block_size, kv_heads, head_dim, kv_dtype, torch.device("cpu"),
+                    stage_slots=blocks)
     table = torch.randperm(blocks)[: (length + block_size - 1) // block_size]
     slots = torch.tensor([int(table[p // block_size]) * block_size + p % block_size
                           for p in range(length)])
     k = torch.randn(length, kv_heads, head_dim) * k_scale
     v = torch.randn(length, kv_heads, head_dim)
-    cache.store(0, k, v, slots)
+    cache.store(0, k, v, slots, slots if cache.staged else None)
     return cache, table, slots, k, v
 
 

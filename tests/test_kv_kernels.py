@@ -13,30 +13,51 @@ from tokenmill.layers import ops
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])
-def test_kv_store_matches_the_encoder(kops, fmt):
-    """The kernel writing quantized pages against layers/kv_quant.py's encoder: int8 and fp8
-    (rounded to nearest even, subnormals too) exactly; int4 (rotation and error sums in another
-    order) with the same codes nearly everywhere."""
+@pytest.mark.parametrize("stage_dtype", [torch.float32, torch.bfloat16])
+def test_kv_store_matches_the_encoder(kops, fmt, stage_dtype):
+    """The kernel writing quantized pages against layers/kv_quant.py's and kv_int4.py's
+    encoders: int8 and fp8 (rounded to nearest even, subnormals too) exactly; int4 (V's
+    rotation and the error sums in another order) with the same codes nearly everywhere: V per
+    token, K into the stage (exactly), each block whose last row came quantized per channel."""
     from tokenmill.layers.kv_cache import KVCache
 
     torch.manual_seed(6)
     x = torch.randn(40, 3, 64) * 2
     x[:, 0, 5] *= 20  # an outlier channel
+    x[:, 0, 9] += 30  # an offset channel
     x[:, 1, 7] *= 1e-4  # values fp8 stores as subnormals
+    x = x.to(stage_dtype).float()
     slots = torch.randperm(64)[:40]
-    ref = KVCache(1, 4, 16, 3, 64, fmt, torch.device("cpu"))
-    ref.store(0, x, x, slots)
-    got = KVCache(1, 4, 16, 3, 64, fmt, torch.device("cpu"))
-    kops.kv_store(got, 0, x, x, slots)
+    caches = [KVCache(1, 4, 16, 3, 64, fmt, torch.device("cpu"), stage_slots=4,
+                      stage_dtype=stage_dtype) for _ in range(2)]
+    ref, got = caches
+    ref.store(0, x, x, slots, slots)
+    kops.kv_store(got, 0, x, x, slots, slots)
+    raw = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
     if fmt != "int4":
-        raw = lambda t: t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t  # noqa: E731
         assert all(torch.equal(raw(a), raw(b)) for a, b in zip(ref.k + ref.v, got.k + got.v))
         return
-    same = (ref.k[0] == got.k[0]).float().mean().item()
-    assert same > 0.99
-    table = torch.arange(4)[None]
-    a, b = got.gather(0, table, torch.float32)[0], ref.gather(0, table, torch.float32)[0]
-    assert ((a - b).norm() / b.norm()).item() < 0.01
+    assert torch.equal(ref.stage, got.stage)
+    full = slots[slots % 16 == 15] // 16  # the blocks whose last row came: quantized
+    assert len(full) > 0
+    for a, b in ((ref.k[0][0, full], got.k[0][0, full]), (ref.v[0], got.v[0])):
+        assert (a == b).float().mean().item() > 0.99
+    assert (ref.k_blocks[0][0, full] == got.k_blocks[0][0, full]).float().mean().item() > 0.99
+    table = full[None]
+    a, b = got.gather(0, table, torch.float32), ref.gather(0, table, torch.float32)
+    for ours, theirs in zip(a, b):
+        assert ((ours - theirs).norm() / theirs.norm()).item() < 0.01
+
+
+def decode_context(cache, tables, lens):
+    """A decode step's context over a paged_history-style cache (stage slot i = block i)."""
+    from tokenmill.layers.attention import AttentionContext
+
+    ctx = AttentionContext(cache, torch.tensor([]), len(lens), decode_block_tables=tables,
+                           decode_seq_lens=lens)
+    if cache.staged:
+        ctx.decode_stages = tables[torch.arange(len(lens)), (lens - 1) // cache.block_size]
+    return ctx
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])
@@ -44,22 +65,23 @@ def test_kv_store_matches_the_encoder(kops, fmt):
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("seqs", [1, 2, 9])
 def test_decode_attention_on_quantized_pages(kops, fmt, window, threads, seqs):
-    """The kernel reading int8 / fp8 / int4 pages in place (rotated q and output for int4)
-    against the plain path: gather, dequantize, SDPA. One sequence of 1,000 positions is split
-    between tasks (partial softmax sums combined); nine take every KV head per task."""
-    from tokenmill.layers.attention import AttentionContext, PagedAttention
+    """The kernel reading int8 / fp8 / int4 pages in place (int4: each row's own block from
+    the stage, the output rotated back) against the plain path: gather, dequantize, SDPA. One
+    sequence of 1,000 positions is split between tasks (partial softmax sums combined); nine
+    take every KV head per task."""
+    from tokenmill.layers.attention import PagedAttention
     from tokenmill.layers.kv_cache import KVCache
 
     torch.manual_seed(5)
     d, block_size, blocks = 64, 16, 64
-    cache = KVCache(1, blocks, block_size, 3, d, fmt, torch.device("cpu"))
-    slots = blocks * block_size
-    cache.store(0, torch.randn(slots, 3, d) * 2, torch.randn(slots, 3, d), torch.arange(slots))
+    cache = KVCache(1, blocks, block_size, 3, d, fmt, torch.device("cpu"), stage_slots=blocks)
+    slots = torch.arange(blocks * block_size)
+    cache.store(0, torch.randn(len(slots), 3, d) * 2, torch.randn(len(slots), 3, d), slots,
+                slots)
     tables = torch.stack([torch.randperm(blocks)[:63] for _ in range(seqs)])
     lens = torch.randint(1, 63 * block_size + 1, (seqs,)) if seqs > 1 else torch.tensor([1000])
     q = torch.randn(seqs, 9, d)
-    ctx = AttentionContext(cache, torch.tensor([]), seqs, decode_block_tables=tables,
-                           decode_seq_lens=lens)
+    ctx = decode_context(cache, tables, lens)
     attn = PagedAttention(9, 3, d, 0, sliding_window=window)
     attn.ops = kops
     fast = attn._decode(q, ctx)
@@ -75,15 +97,17 @@ def test_decode_attention_on_quantized_pages(kops, fmt, window, threads, seqs):
 def test_prefill_attention_on_quantized_pages(kops, fmt, computed, new, window, threads, dtype):
     """A prefill chunk against its quantized history (prefix-cache hits, chunked prefill), read
     a key tile at a time, against the plain path: gather, dequantize, SDPA (through the layer,
-    so int4's rotation of q and the output is included); a bf16 model's keys in bf16."""
+    so int4's stage reads and the output's rotation are included); a bf16 model's keys in
+    bf16."""
     from tokenmill.layers.attention import AttentionContext, PagedAttention, PrefillChunk
 
     torch.manual_seed(8)
     hq, hk, d = 6, 2, 64
     cache, table, slots, k, v = paged_history(computed + new, 16, hk, d, fmt, k_scale=2.0)
     q = torch.randn(new, hq, d).to(dtype)
+    stages = table if cache.staged else None  # paged_history: stage slot i is block i's
     ctx = AttentionContext(cache, slots[computed:], 0,
-                           prefills=[PrefillChunk(0, new, computed, table)])
+                           prefills=[PrefillChunk(0, new, computed, table, stages)])
     attn = PagedAttention(hq, hk, d, 0, sliding_window=window)
     attn.ops = kops
     fast = attn._prefill(q, k[computed:], v[computed:], ctx.prefills[0], ctx)
@@ -93,8 +117,9 @@ def test_prefill_attention_on_quantized_pages(kops, fmt, computed, new, window, 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "int4"])
 def test_fused_decode_on_quantized_pages_equals_layer_by_layer(tmp_path, monkeypatch, kv):
-    """The fused decode step writing and reading int8 / int4 pages (int4: q and the output
-    rotated in C++) against the layer-by-layer path on the same cache format."""
+    """The fused decode step writing and reading int8 / fp8 / int4 pages (int4: the stage,
+    blocks quantized as they fill, the output rotated back in C++) against the layer-by-layer
+    path on the same cache format."""
     from tests.conftest import save_tiny_model
     from tokenmill.layers.fused_decode import FusedDecoder
     from tokenmill.models import llama

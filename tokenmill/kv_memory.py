@@ -1,6 +1,8 @@
 """KV cache memory arithmetic for any model shape: bytes per token for each KV dtype, totals
 per context and per batch, and how many sequences a memory budget holds. The per-token bytes
-come from the same function the engine sizes its cache with."""
+come from the same function the engine sizes its cache with; int4's stage (the open blocks'
+keys in the model's dtype, engine/cache_config.py) comes off the budget as the engine takes
+it, for a bfloat16 model with the default max_num_seqs unless told otherwise."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ import json
 import os
 from dataclasses import dataclass
 
-from tokenmill.layers.kv_cache import kv_bytes_per_token, latent_bytes_per_token
-from tokenmill.layers.kv_quant import KV_FORMATS
+from tokenmill.layers.kv_cache import kv_bytes_per_token, latent_bytes_per_token, stage_bytes
+from tokenmill.layers.kv_quant import KV_FORMATS, kv_format
 from tokenmill.models.config import ModelConfig
 
 
@@ -26,11 +28,12 @@ class Shape:
     latent_dim: int | None = None  # MLA: one latent of this many values per token per layer
     expanded_dims: int = 0  # MLA: per head, the K + V dims the latent stands for
 
-    def bytes_per_token(self, dtype, layers: int | None = None) -> int:
+    def bytes_per_token(self, dtype, layers: int | None = None,
+                        block_size: int = 16) -> int | float:
         layers = self.num_layers if layers is None else layers
         if self.latent_dim:
             return latent_bytes_per_token(layers, self.latent_dim, dtype)
-        return kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, dtype)
+        return kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, dtype, block_size)
 
     def mha_bytes_per_token(self, dtype) -> int:
         """Per-head K and V for every attention head (for MLA: the expanded K and V)."""
@@ -94,21 +97,34 @@ def held_tokens(shape: Shape, context: int, block_size: int) -> tuple[int, int]:
 
 
 def report(shape: Shape, context: int, batch: int, memory: int | None,
-           block_size: int = 16) -> list[dict]:
+           block_size: int = 16, model_dtype=None, max_num_seqs: int = 32) -> list[dict]:
+    """Per KV dtype: bytes per token and per context; with a memory budget, the sequences
+    and tokens it holds (int4: after the stage for a `model_dtype` model, bfloat16 if None)."""
+    import torch
+
+    from tokenmill.engine.cache_config import stage_slots
+
     rows = []
     full, window = held_tokens(shape, context, block_size)
     for dtype in KV_FORMATS:
         if shape.latent_dim and dtype != "bfloat16" and dtype != "float32":
             continue  # MLA latents stay in the model's dtype (engine/cache_config.py)
-        per_token = shape.bytes_per_token(dtype)
+        per_token = shape.bytes_per_token(dtype, block_size=block_size)
         mha = shape.mha_bytes_per_token(dtype)
-        per_layer = shape.bytes_per_token(dtype, 1)
-        per_context = (shape.full_layers * full + shape.sliding_layers * window) * per_layer
+        per_layer = shape.bytes_per_token(dtype, 1, block_size)
+        per_context = round((shape.full_layers * full + shape.sliding_layers * window)
+                            * per_layer)
         row = {"kv_dtype": dtype, "bytes_per_token": per_token, "mha_bytes_per_token": mha,
                "per_context_bytes": per_context, "per_batch_bytes": per_context * batch}
         if memory is not None:
-            row["max_sequences"] = memory // per_context
-            row["tokens_in_budget"] = memory // (per_token * block_size) * block_size
+            left = memory
+            if kv_format(dtype).staged and not shape.latent_dim:
+                slot = stage_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim,
+                                   block_size, model_dtype or torch.bfloat16)
+                row["stage_bytes"] = stage_slots(max_num_seqs, memory, slot) * slot
+                left -= row["stage_bytes"]
+            row["max_sequences"] = left // per_context
+            row["tokens_in_budget"] = left // round(per_token * block_size) * block_size
         rows.append(row)
     return rows
 
@@ -133,8 +149,8 @@ def human(n: float) -> str:
 
 
 def print_report(shape: Shape, context: int, batch: int, memory: int | None,
-                 block_size: int, as_json: bool = False) -> None:
-    rows = report(shape, context, batch, memory, block_size)
+                 block_size: int, as_json: bool = False, model_dtype=None) -> None:
+    rows = report(shape, context, batch, memory, block_size, model_dtype)
     if as_json:
         print(json.dumps({"model": shape.__dict__, "context": context, "batch": batch,
                           "memory": memory, "block_size": block_size, "rows": rows}))

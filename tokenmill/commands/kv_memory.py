@@ -14,6 +14,8 @@ def add_parser(sub) -> None:
     p.add_argument("--batch", type=int, default=1, help="concurrent sequences")
     p.add_argument("--memory", type=parse_bytes, help="KV budget, e.g. 24GiB: max sequences")
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--model-dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="the model's dtype, which int4's stage (open blocks' keys) is kept in")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -29,7 +31,9 @@ def run(args) -> int:
         print_deepseek_report(cache, args.context or cache.max_len, args.batch, args.memory,
                               args.block_size, args.json)
         return 0
+    import torch
+
     shape = load_shape(args.model)
     print_report(shape, args.context or shape.max_len, args.batch, args.memory,
-                 args.block_size, args.json)
+                 args.block_size, args.json, getattr(torch, args.model_dtype))
     return 0

@@ -34,11 +34,13 @@ class PlannedSeq:
     tokens: list[int]  # the tokens this step feeds
     block_tables: list[list[int]]
     decode: bool  # runs as decode rows
+    stage_tables: list[list[int]]  # a staged KV cache's (int4)
 
     @classmethod
     def of(cls, seq, n: int) -> PlannedSeq:
         first = seq.num_computed_tokens
-        return cls(first, seq.step_token_ids(first, n), seq.block_tables, seq.runs_as_decode(n))
+        return cls(first, seq.step_token_ids(first, n), seq.block_tables, seq.runs_as_decode(n),
+                   seq.stage_tables)
 
     def step_token_ids(self, first: int, n: int) -> list[int]:
         return self.tokens

@@ -12,6 +12,11 @@ chained block hashes and its computed-token counter; other groups read them. A c
 (DeepSeek V4) holds one slot per `rate` tokens: its block of block_size slots covers
 block_size x rate tokens, a whole number (`stride`) of group 0's blocks, and is cached under
 the hash of the last of them.
+
+A pool of a staged KV format (int4) also lends stage slots: every block not yet full of
+computed tokens holds one (the sequence's stage table, parallel to its block table, says which;
+-1 for a full block). The slot comes with the block and goes back when the block's tokens are
+all computed (commit), or when the block is released. Allocation needs both.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 group: int = 0, rate: int = 1, token_block_size: int | None = None):
+                 group: int = 0, rate: int = 1, token_block_size: int | None = None,
+                 stage_slots: int = 0):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.block_size = block_size  # slots per block
@@ -59,6 +65,8 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.num_queried_tokens = 0  # prefix-cache statistics, in tokens
         self.num_hit_tokens = 0
+        self.staged = stage_slots > 0
+        self._free_stages = list(range(stage_slots - 1, -1, -1))  # popped from the end
 
     # ---- this manager's table of a sequence --------------------------------------------------
     def table(self, seq: Sequence) -> list[int]:
@@ -69,6 +77,15 @@ class BlockManager:
     def _set_table(self, seq: Sequence, table: list[int]) -> None:
         self.table(seq)
         seq.block_tables[self.group] = table
+        if self.staged:
+            self.stages(seq)
+            seq.stage_tables[self.group] = [-1] * len(table)
+
+    def stages(self, seq: Sequence) -> list[int]:
+        """Seq's stage slot of each block of its table in this pool (-1: none)."""
+        while len(seq.stage_tables) <= self.group:
+            seq.stage_tables.append([])
+        return seq.stage_tables[self.group]
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -78,6 +95,10 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
+
+    @property
+    def num_free_stages(self) -> int:
+        return len(self._free_stages)
 
     @property
     def usage(self) -> float:
@@ -125,14 +146,21 @@ class BlockManager:
                           hit_tokens: int = 0) -> int:
         """Free blocks that allocate(seq, num_new_tokens, hits) would consume. hit_tokens:
         the prefix the hits serve (a compressed pool's hits cover up to it)."""
-        total = self._base(seq, hits, hit_tokens) + num_new_tokens
-        fresh = self.blocks_for_tokens(total) - len(self.table(seq)) - len(hits)
         revived = sum(1 for b in hits if b != NULL_BLOCK and self.blocks[b].ref_count == 0)
-        return max(fresh, 0) + revived
+        return self._fresh(seq, num_new_tokens, hits, hit_tokens) + revived
+
+    def _fresh(self, seq: Sequence, num_new_tokens: int, hits=(), hit_tokens: int = 0) -> int:
+        """New blocks (each with a stage slot, in a staged pool) that the allocation appends."""
+        total = self._base(seq, hits, hit_tokens) + num_new_tokens
+        return max(self.blocks_for_tokens(total) - len(self.table(seq)) - len(hits), 0)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (),
-                     hit_tokens: int = 0) -> bool:
-        return self.num_blocks_needed(seq, num_new_tokens, hits, hit_tokens) <= (
+                     hit_tokens: int = 0, reserve: int = 0) -> bool:
+        """Whether the tokens fit, with `reserve` blocks (and stage slots) left free after."""
+        if self.staged and self._fresh(seq, num_new_tokens, hits, hit_tokens) + reserve > (
+                self.num_free_stages):
+            return False
+        return self.num_blocks_needed(seq, num_new_tokens, hits, hit_tokens) + reserve <= (
             self.num_free_blocks)
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hits: list[int] = (),
@@ -155,6 +183,8 @@ class BlockManager:
         table = self.table(seq)
         while len(table) < self.blocks_for_tokens(total):
             table.append(self._pop_free())
+            if self.staged:
+                self.stages(seq).append(self._free_stages.pop())
 
     def _chain(self, seq: Sequence, num_blocks: int) -> list[int]:
         """The chained hashes of seq's first num_blocks blocks."""
@@ -180,6 +210,19 @@ class BlockManager:
             parent = seq.block_hashes[-1] if i else None
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         self.register(seq, start, len(seq.block_hashes))
+        self.release_stages(seq)
+
+    def release_stages(self, seq: Sequence) -> None:
+        """Stage slots of blocks whose tokens are all computed go back (those blocks are
+        quantized now; the open blocks follow them in the table)."""
+        if not self.staged:
+            return
+        stages = self.stages(seq)
+        i = seq.num_computed_tokens // self.block_size - 1
+        while 0 <= i < len(stages) and stages[i] >= 0:
+            self._free_stages.append(stages[i])
+            stages[i] = -1
+            i -= 1
 
     def register(self, seq: Sequence, start: int, end: int) -> None:
         """Put blocks start..end-1 of seq's table under their hashes in the prefix cache."""
@@ -218,6 +261,8 @@ class BlockManager:
         for block_id in reversed(self.table(seq)):
             if block_id != NULL_BLOCK:
                 self._release(block_id)
+        if self.staged:
+            self._free_stages += [s for s in self.stages(seq) if s >= 0]
         self._set_table(seq, [])
         if self.primary:
             seq.block_hashes = []
@@ -232,6 +277,8 @@ class BlockManager:
             block_id = table.pop()
             if block_id != NULL_BLOCK:
                 self._release(block_id)
+            if self.staged and (stage := self.stages(seq).pop()) >= 0:
+                self._free_stages.append(stage)
 
     def release_outside_window(self, seq: Sequence, window: int) -> None:
         """Free blocks no future query can see: every later query sits at a position

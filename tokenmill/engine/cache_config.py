@@ -10,7 +10,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.engine.kv_manager import CacheGroup
 from tokenmill.engine.memory import NotEnoughMemory, available_memory, check_kv_budget, gib
-from tokenmill.layers.kv_cache import kv_bytes_per_token, latent_bytes_per_token
+from tokenmill.layers.kv_cache import kv_bytes_per_token, latent_bytes_per_token, stage_bytes
 from tokenmill.layers.kv_quant import kv_format
 from tokenmill.models.config import ModelConfig
 
@@ -22,6 +22,10 @@ logger = logging.getLogger("tokenmill")
 DEFAULT_MEMORY_FRACTION = 0.5
 DEFAULT_CPU_KV_BYTES = 4 * 2**30
 DEFAULT_CHUNK_TOKENS = 2048
+# A staged KV format (int4) lends each open block a stage slot: a slot per running sequence
+# plus STAGE_CHUNK_SLOTS for prefill chunks (a chunk that needs more is cut to fit), at most a
+# quarter of the budget.
+STAGE_CHUNK_SLOTS = 64
 
 
 def resolve_device(name: str) -> torch.device:
@@ -49,7 +53,8 @@ class KVCachePlan:
     def bytes_per_token(self) -> int:
         """Bytes of one token held in every group (all layers' K and V; a compressed pool's
         entry bytes divided by its rate)."""
-        return sum(g.bytes_per_token // g.rate for g in self.groups)
+        return sum(g.bytes_per_token // g.rate if g.rate > 1 else g.bytes_per_token
+                   for g in self.groups)
 
     @property
     def num_tokens(self) -> int:
@@ -60,7 +65,8 @@ class KVCachePlan:
 
     @property
     def nbytes(self) -> int:
-        return sum(g.num_blocks * g.block_bytes(self.block_size) for g in self.groups)
+        return sum(g.num_blocks * g.block_bytes(self.block_size) + g.stage_slots * g.stage_bytes
+                   for g in self.groups)
 
     def describe(self) -> str:
         def kind(g: CacheGroup) -> str:
@@ -72,7 +78,9 @@ class KVCachePlan:
             f"{len(g.layers)} {kind(g)} layers: {g.num_blocks} blocks x "
             f"{g.tokens_per_block(self.block_size)} = "
             f"{g.num_blocks * g.tokens_per_block(self.block_size)} tokens, {g.bytes_per_token} "
-            f"bytes/{'entry' if g.rate > 1 else 'token'}" for g in self.groups)
+            f"bytes/{'entry' if g.rate > 1 else 'token'}"
+            + (f", {g.stage_slots} stage slots of {g.stage_bytes / 2**10:.0f} KiB"
+               if g.stage_slots else "") for g in self.groups)
         return (f"KV cache ({self.nbytes / 2**20:.1f} MiB, {self.kv_dtype}): {pools}; "
                 f"max_model_len {self.max_model_len}")
 
@@ -103,11 +111,19 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
                          f"{config.kv_cache_dtype!r}")
     per_token = [latent_bytes_per_token(len(layers), mc.kv_latent_dim, kv_dtype)
                  if mc.kv_latent_dim else
-                 kv_bytes_per_token(len(layers), mc.num_key_value_heads, mc.head_dim, kv_dtype)
+                 kv_bytes_per_token(len(layers), mc.num_key_value_heads, mc.head_dim, kv_dtype,
+                                    bs)
                  for layers, _ in specs]
-    blocks = _group_blocks(config, specs, [p * bs for p in per_token], max_len, device)
-    groups = tuple(CacheGroup(layers, window, n, p)
-                   for (layers, window), n, p in zip(specs, blocks, per_token))
+    staged = kv_format(kv_dtype).staged
+    slot_bytes = [stage_bytes(len(layers), mc.num_key_value_heads, mc.head_dim, bs, model_dtype)
+                  if staged else 0 for layers, _ in specs]
+    blocks, stages = _group_blocks(config, specs, [round(p * bs) for p in per_token],
+                                   slot_bytes, max_len, device)
+    stage_dtype = str(model_dtype).replace("torch.", "")
+    groups = tuple(CacheGroup(layers, window, n, p, stage_slots=st, stage_bytes=sb,
+                              stage_dtype=stage_dtype)
+                   for (layers, window), n, p, st, sb in zip(specs, blocks, per_token, stages,
+                                                             slot_bytes))
     if specs[0][1] is None:
         held = blocks[0] * bs
         max_len = _fit(config, max_len, held, f"needs {gib(max_len * per_token[0])} of KV cache "
@@ -196,19 +212,32 @@ def _pooled_plan(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max_
                        _batched_tokens(config, max_len))
 
 
-def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], max_len: int,
-                  device: torch.device) -> list[int]:
-    """Blocks per pool. A sliding-window pool (the second of two) needs at most
-    window / block_size + 2 blocks per running sequence, and gets as much again so that the
-    last window blocks of prompts read before stay in the prefix cache (a prefix hit needs
+def stage_slots(max_num_seqs: int, budget: int | None, slot_bytes: int) -> int:
+    """Stage slots of a staged format's pool (0 for others): one per running sequence plus
+    STAGE_CHUNK_SLOTS, at most a quarter of the pool's budget (at least 2)."""
+    if not slot_bytes:
+        return 0
+    want = max_num_seqs + STAGE_CHUNK_SLOTS
+    return want if budget is None else max(2, min(want, budget // 4 // slot_bytes))
+
+
+def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], slot_bytes: list[int],
+                  max_len: int, device: torch.device) -> tuple[list[int], list[int]]:
+    """Blocks and stage slots per pool. A sliding-window pool (the second of two) needs at
+    most window / block_size + 2 blocks per running sequence, and gets as much again so that
+    the last window blocks of prompts read before stay in the prefix cache (a prefix hit needs
     them: kv_manager.lookup_prefix; without the room, decoding sequences evict them at once);
-    the full-history pool gets the rest."""
+    the full-history pool gets the rest. Stage slots (staged formats) come off the budget
+    first."""
     bs = config.block_size
     per_seq = [-(-max_len // bs) if window is None else -(-window // bs) + 2
                for _, window in specs]
     per_seq[1:] = [2 * n for n in per_seq[1:]]
-    wanted = sum(config.max_num_seqs * n * b for n, b in zip(per_seq, block_bytes))
+    wanted = sum(config.max_num_seqs * n * b + stage_slots(config.max_num_seqs, None, s) * s
+                 for n, b, s in zip(per_seq, block_bytes, slot_bytes))
     budget = _budget(config, wanted, device)
+    stages = [stage_slots(config.max_num_seqs, budget // len(specs), s) for s in slot_bytes]
+    budget -= sum(n * s for n, s in zip(stages, slot_bytes))
     blocks = []
     if len(specs) == 2:  # the sliding pool: twice what max_num_seqs sequences need, <= half
         sliding = min(config.max_num_seqs * per_seq[1] * block_bytes[1], budget // 2)
@@ -219,4 +248,4 @@ def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], max_len: 
             f"kv_cache_memory ({config.kv_cache_memory} bytes) is smaller than one KV block "
             f"({block_bytes[0]} bytes = {bs} tokens x {block_bytes[0] // bs} bytes)"
         )
-    return [budget // block_bytes[0], *blocks]
+    return [budget // block_bytes[0], *blocks], stages

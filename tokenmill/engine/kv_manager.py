@@ -22,9 +22,12 @@ class CacheGroup:
     rate: int = 1  # tokens per slot: a compressed pool keeps one entry per `rate` tokens
     slots_per_block: int | None = None  # None: the engine's block size
     widths: tuple[int, ...] | None = None  # per layer, values per slot (a SlotCache pool)
+    stage_slots: int = 0  # a staged format's (int4) open blocks at once (block_manager.py)
+    stage_bytes: int = 0  # bytes of one stage slot
+    stage_dtype: str = "float32"  # the stage's dtype: the model's
 
     def block_bytes(self, block_size: int) -> int:
-        return self.bytes_per_token * (self.slots_per_block or block_size)
+        return round(self.bytes_per_token * (self.slots_per_block or block_size))
 
     def tokens_per_block(self, block_size: int) -> int:
         return (self.slots_per_block or block_size) * self.rate
@@ -37,7 +40,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.managers = [BlockManager(g.num_blocks, g.slots_per_block or block_size,
                                       enable_prefix_caching, group=i, rate=g.rate,
-                                      token_block_size=block_size)
+                                      token_block_size=block_size, stage_slots=g.stage_slots)
                          for i, g in enumerate(groups)]
 
     @property
@@ -83,11 +86,12 @@ class KVCacheManager:
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, hits=None,
                      reserve: int = 0) -> bool:
-        """Whether the tokens fit, with `reserve` blocks of every pool left free after."""
+        """Whether the tokens fit, with `reserve` blocks (and stage slots) of every pool left
+        free after."""
         tokens = self.hit_tokens(hits)
         hits = hits or [()] * len(self.managers)
-        return all(m.num_blocks_needed(seq, num_new_tokens, h, tokens) + reserve
-                   <= m.num_free_blocks for m, h in zip(self.managers, hits))
+        return all(m.can_allocate(seq, num_new_tokens, h, tokens, reserve)
+                   for m, h in zip(self.managers, hits))
 
     def allocate(self, seq: Sequence, num_new_tokens: int, hits=None) -> None:
         if not self.can_allocate(seq, num_new_tokens, hits):
@@ -106,6 +110,7 @@ class KVCacheManager:
         self.primary.commit(seq)
         for m in self.managers[1:]:
             m.register(seq, start, len(seq.block_hashes))
+            m.release_stages(seq)
         for m, g in zip(self.managers, self.groups):
             if g.window is not None:
                 m.release_outside_window(seq, g.window)

@@ -60,7 +60,8 @@ class ModelRunner:
                       kv_format(kv_dtype).dtype, device) if self.pooled else
             KVCache(len(g.layers), g.num_blocks, block_size, model_config.num_key_value_heads,
                     model_config.kv_latent_dim or model_config.head_dim, kv_dtype, device,
-                    latent=bool(model_config.kv_latent_dim)) for g in groups
+                    latent=bool(model_config.kv_latent_dim), stage_slots=g.stage_slots,
+                    stage_dtype=getattr(torch, g.stage_dtype)) for g in groups
         ]
         self.kv_cache = self.kv_caches[0]
         self.eos_ids = list(eos_ids)
@@ -111,28 +112,40 @@ class ModelRunner:
         return self._tensor(ids), self._tensor(positions), ctx, starts
 
     def _group_context(self, group: int, scheduled, order, num_decodes, starts):
-        """Slots and block tables of one block pool's cache."""
-        bs = self.block_size
-        slots, prefills = [], []
+        """Slots and block tables of one block pool's cache (a staged cache: stage rows and
+        slots too, kv_cache.py)."""
+        bs, staged = self.block_size, self.kv_caches[group].staged
+        slots, stage_rows, prefills = [], [], []
         for i in order:
             seq, n = scheduled[i]
             first, table = seq.num_computed_tokens, seq.block_tables[group]
             slots += [table[p // bs] * bs + p % bs for p in range(first, first + n)]
+            stages = seq.stage_tables[group] if staged else None
+            if staged:
+                stage_rows += [stages[p // bs] * bs + p % bs for p in range(first, first + n)]
             if not seq.runs_as_decode(n):
-                prefills.append(PrefillChunk(starts[i], starts[i] + n, first, self._tensor(table)))
+                prefills.append(PrefillChunk(starts[i], starts[i] + n, first, self._tensor(table),
+                                             self._tensor(stages) if staged else None))
         ctx = AttentionContext(self.kv_caches[group], self._tensor(slots), num_decodes,
                                prefills=prefills)
+        if staged:
+            ctx.stage_mapping = self._tensor(stage_rows)
         if num_decodes:  # one row per decode token; a verify step's rows see one more each
-            tables, lens = [], []
+            tables, lens, own = [], [], []
             for seq, n in (scheduled[i] for i in order):
                 if not seq.runs_as_decode(n):
                     continue
                 tables += [seq.block_tables[group]] * n
-                lens += range(seq.num_computed_tokens + 1, seq.num_computed_tokens + n + 1)
+                first = seq.num_computed_tokens
+                lens += range(first + 1, first + n + 1)
+                if staged:
+                    own += [seq.stage_tables[group][p // bs] for p in range(first, first + n)]
             # NULL_BLOCK (-1, slid out of the window) indexes the last block: read but masked.
             width = max(len(t) for t in tables)
             ctx.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
             ctx.decode_seq_lens = self._tensor(lens)
+            if staged:
+                ctx.decode_stages = self._tensor(own)
         return ctx
 
     def _pooled_context(self, scheduled, order, starts) -> PooledContext:

@@ -44,6 +44,7 @@ class Sequence:
         # One block table per KV cache group (models mixing sliding-window and full-attention
         # layers keep the two kinds in separate pools); block_table is group 0's.
         self.block_tables: list[list[int]] = [[]]
+        self.stage_tables: list[list[int]] = []  # per pool of a staged KV format (int4)
         self.block_hashes: list[int] = []  # chained hashes of this sequence's full blocks
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None

@@ -11,14 +11,14 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check  # noqa: F401
 from tokenmill.kernels.isa import os_allows_amx
+from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check  # noqa: F401
 
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 8
+ABI_VERSION = 9
 _P, _I = c_void_p, c_int64
 
 
@@ -37,7 +37,8 @@ class Layer(ctypes.Structure):
 
 class KVPool(ctypes.Structure):
     _fields_ = [("k", c_void_p), ("v", c_void_p), ("num_blocks", c_int64), ("slots", c_void_p),
-                ("tables", c_void_p), ("max_blocks", c_int64), ("lens", c_void_p)]
+                ("tables", c_void_p), ("max_blocks", c_int64), ("lens", c_void_p),
+                ("stage_rows", c_void_p), ("stages", c_void_p)]
 
 
 ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # TM_ACT_SILU, TM_ACT_GELU_TANH
@@ -50,8 +51,8 @@ class Decoder(ctypes.Structure):
                 ("act", ctypes.c_int32), ("layers", POINTER(Layer)), ("final_norm", c_void_p),
                 ("cos_sin", c_void_p),
                 ("max_positions", c_int64), ("kv_format", ctypes.c_int32),
-                ("k_scale", c_void_p), ("k_zero", c_void_p), ("v_scale", c_void_p),
-                ("v_zero", c_void_p), ("kv_rotation", c_void_p)]
+                ("k_scale", c_void_p), ("v_scale", c_void_p), ("k_params", c_void_p),
+                ("k_stage", c_void_p), ("stage_slots", c_int64), ("v_rotation", c_void_p)]
 
 
 _SIGNATURES = {
@@ -77,10 +78,11 @@ _SIGNATURES = {
     "tm_prefill_attention": (None, [c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, c_float,
                                     _P]),
     "tm_decode_attention_quant": (None, [_P, POINTER(KVPages), POINTER(KVPages), _I, _I, _P, _I,
-                                         _P, _I, _I, _I, _I, c_float, _P]),
+                                         _P, _P, _I, _I, _I, _I, c_float, _P]),
     "tm_prefill_attention_quant": (None, [c_int, _P, _I, _I, _I, POINTER(KVPages),
-                                          POINTER(KVPages), _I, _I, _P, _I, _I, c_float, _P]),
-    "tm_kv_store": (None, [c_int, _P, _I, _I, _I, _P, _P, POINTER(KVPages)]),
+                                          POINTER(KVPages), _I, _I, _P, _P, _I, _I, c_float,
+                                          _P]),
+    "tm_kv_store": (None, [c_int, _P, _I, _I, _I, _P, _P, _P, _I, POINTER(KVPages)]),
     "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, POINTER(KVPool), _I]),
 }
 
@@ -273,16 +275,18 @@ class KernelLib(KVPageCalls):
     def decode_stack(self, decoder: Decoder, x: torch.Tensor, positions, pools) -> torch.Tensor:
         """All layers of a decode step (see tm.h); x (batch, hidden) holds the embeddings and
         is returned holding the final norm's output. pools: per KV pool, (k_cache, v_cache,
-        slots, block_tables, seq_lens) with caches (layers, blocks, block_size, ...)."""
+        slots, block_tables, seq_lens, stage_rows, stages) with caches (layers, blocks,
+        block_size, ...); the last two None but for an int4 cache."""
         x = x.contiguous().clone()
         pos = positions.to(torch.int64).contiguous()
         keep, structs = [], (KVPool * len(pools))()
-        for i, (k_cache, v_cache, slots, tables, lens) in enumerate(pools):
-            slots, tables, lens = (t.to(torch.int64).contiguous() for t in (slots, tables, lens))
-            keep += [slots, tables, lens]
+        for i, (k_cache, v_cache, *index) in enumerate(pools):
+            index = [None if t is None else t.to(torch.int64).contiguous() for t in index]
+            keep += index
+            slots, tables, lens, stage_rows, stages = index
             structs[i] = KVPool(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
                                 slots.data_ptr(), tables.data_ptr(), tables.shape[1],
-                                lens.data_ptr())
+                                lens.data_ptr(), _ptr(stage_rows), _ptr(stages))
         self._sync_threads()
         self._lib.tm_decode_stack(ctypes.byref(decoder), x.data_ptr(), x.shape[0], pos.data_ptr(),
                                   structs, pools[0][0].shape[2])

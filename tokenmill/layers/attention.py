@@ -25,6 +25,7 @@ class PrefillChunk:
     end: int
     num_computed: int  # tokens of this sequence already in the cache before the chunk
     block_table: torch.Tensor  # (num_blocks,) int64
+    stage_table: torch.Tensor | None = None  # a staged cache: each block's stage slot, or -1
 
     @property
     def kv_len(self) -> int:
@@ -40,6 +41,10 @@ class AttentionContext:
     num_decode_tokens: int = 0
     decode_block_tables: torch.Tensor | None = None  # (decodes, max_blocks)
     decode_seq_lens: torch.Tensor | None = None  # (decodes,) kv length including the new token
+    # a staged cache (int4, kv_cache.py): each new token's stage row, each decode row's own
+    # block's stage slot
+    stage_mapping: torch.Tensor | None = None
+    decode_stages: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # The second block pool's view (same tokens, its own cache, slots and tables) for models
     # whose sliding-window layers keep their K/V apart from the full-attention layers'.
@@ -98,7 +103,8 @@ class PagedAttention(nn.Module):
         # q: (tokens, heads, head_dim); k, v: (tokens, kv_heads, head_dim)
         if self.cache_group:
             ctx = ctx.window_ctx
-        self.ops.kv_store(ctx.kv_cache, self.layer_idx, k, v, ctx.slot_mapping)
+        self.ops.kv_store(ctx.kv_cache, self.layer_idx, k, v, ctx.slot_mapping,
+                          ctx.stage_mapping)
         out = torch.empty_like(q)
         nd = ctx.num_decode_tokens
         if nd:
@@ -132,52 +138,65 @@ class PagedAttention(nn.Module):
                 return out
         else:  # quantized pages read in place
             out = self._on_quantized_pages(self.ops.decode_attention_quant, q, cache,
-                                           ctx.decode_block_tables, ctx.decode_seq_lens)
+                                           ctx.decode_block_tables, ctx.decode_seq_lens,
+                                           ctx.decode_stages)
             if out is not None:
                 return out
         k, v = cache.gather(self.layer_idx, ctx.decode_block_tables, q.dtype)
+        if cache.staged:  # each row's own block from the stage
+            bs = cache.block_size
+            own = (ctx.decode_seq_lens - 1) // bs
+            rows = torch.arange(bs, device=q.device)
+            k[torch.arange(len(own), device=q.device)[:, None], own[:, None] * bs + rows] = \
+                cache.staged_rows(self.layer_idx, ctx.decode_stages, q.dtype)
         q = q[:, :, None, :]  # (decodes, heads, 1, head_dim)
         k = k.transpose(1, 2)  # (decodes, kv_heads, kv_len, head_dim)
         v = v.transpose(1, 2)
         out = self._sdpa(q, k, v, mask=ctx.decode_mask(self.sliding_window))
         return out[:, :, 0, :]
 
+    def _unrotate(self, out: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """A kernel reading a rotated V gives a rotated output: rotate it back (gather decodes
+        V whole)."""
+        if not cache.format.v_rotated:
+            return out
+        rot = cache.format.rotation(out.shape[-1], out.device)
+        return (out.float() @ rot.T).to(out.dtype)
+
     def _on_quantized_pages(self, kernel, q, cache, *where, keep_dtype=False):
-        """A quantized-page kernel on this layer's parts, float32 q (or q's dtype: keep_dtype)
-        (a rotated format: q rotated in, the output rotated back); None where the ops have no
-        such kernel."""
-        fmt, dtype = cache.format, q.dtype if keep_dtype else torch.float32
-        qf = (q.float() @ fmt.rotation(q.shape[-1], q.device)).to(dtype) if fmt.rotated \
-            else q.to(dtype)
-        out = kernel(qf, fmt.name, [p[self.layer_idx] for p in cache.k],
-                     [p[self.layer_idx] for p in cache.v], *where, self.sliding_window,
+        """A quantized-page kernel on this layer, float32 q (or q's dtype: keep_dtype), the
+        output rotated back where V is stored rotated; None where the ops have no such
+        kernel."""
+        dtype = q.dtype if keep_dtype else torch.float32
+        out = kernel(q.to(dtype), cache, self.layer_idx, *where, self.sliding_window,
                      self.scale)
-        if out is not None and fmt.rotated:
-            out = out.float() @ fmt.rotation(q.shape[-1], q.device).T
-        return None if out is None else out.to(q.dtype)
+        return None if out is None else self._unrotate(out, cache).to(q.dtype)
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, ctx: AttentionContext) -> torch.Tensor:
-        if ctx.kv_cache.quantized:  # dequantized a tile at a time, no float copy of the history
+        cache = ctx.kv_cache
+        if cache.quantized:  # dequantized a tile at a time, no float copy of the history
             out = self._on_quantized_pages(self.ops.prefill_attention_quant,
-                                           q[chunk.start : chunk.end], ctx.kv_cache,
-                                           chunk.block_table, chunk.num_computed,
-                                           keep_dtype=True)
+                                           q[chunk.start : chunk.end], cache,
+                                           chunk.block_table, chunk.stage_table,
+                                           chunk.num_computed, keep_dtype=True)
             if out is not None:
                 return out
-        elif ctx.kv_cache.lossless(q.dtype):  # the paged kernel reads the blocks in place
+        elif cache.lossless(q.dtype):  # the paged kernel reads the blocks in place
             out = self.ops.prefill_attention(
-                q[chunk.start : chunk.end], ctx.kv_cache.k[0][self.layer_idx],
-                ctx.kv_cache.v[0][self.layer_idx], chunk.block_table, chunk.num_computed,
+                q[chunk.start : chunk.end], cache.k[0][self.layer_idx],
+                cache.v[0][self.layer_idx], chunk.block_table, chunk.num_computed,
                 self.sliding_window, self.scale)
             if out is not None:
                 return out
         q = q[chunk.start : chunk.end].transpose(0, 1)  # (heads, new, head_dim)
-        if chunk.num_computed == 0 and ctx.kv_cache.lossless(q.dtype):
+        if chunk.num_computed == 0 and cache.lossless(q.dtype):
             k = k[chunk.start : chunk.end]  # the whole history is this chunk: use it directly
             v = v[chunk.start : chunk.end]
         else:  # through the cache (a lossy one always: prefill sees the numbers decode sees)
-            k, v = ctx.kv_cache.gather(self.layer_idx, chunk.block_table[None, :], q.dtype)
+            k, v = cache.gather(self.layer_idx, chunk.block_table[None, :], q.dtype)
             k, v = k[0, : chunk.kv_len], v[0, : chunk.kv_len]
+        if cache.staged:
+            return self._prefill_staged(q, k, v, chunk, cache)
         k, v = k.transpose(0, 1), v.transpose(0, 1)  # (kv_heads, kv_len, head_dim)
         num_new = chunk.end - chunk.start
         window = self.sliding_window
@@ -187,3 +206,19 @@ class PagedAttention(nn.Module):
             mask = chunk_mask(chunk.num_computed, num_new, self.sliding_window, q.device)
             out = self._sdpa(q, k, v, mask=mask)
         return out.transpose(0, 1)  # (new, heads, head_dim)
+
+    def _prefill_staged(self, q, k, v, chunk: PrefillChunk, cache: KVCache) -> torch.Tensor:
+        """The reference for a staged cache: the chunk's queries a block at a time, each
+        group seeing its own block from the stage and earlier blocks quantized."""
+        bs, first = cache.block_size, chunk.num_computed
+        mask = chunk_mask(first, chunk.end - chunk.start, self.sliding_window, q.device)
+        out = torch.empty_like(q)  # (heads, new, head_dim)
+        v = v.transpose(0, 1)
+        for b in range(first // bs, (chunk.kv_len - 1) // bs + 1):
+            lo, hi = max(b * bs, first) - first, min((b + 1) * bs, chunk.kv_len) - first
+            own = k.clone()
+            rows = cache.staged_rows(self.layer_idx, chunk.stage_table[b:b + 1], q.dtype)[0]
+            own[b * bs: (b + 1) * bs] = rows[: min(bs, chunk.kv_len - b * bs)]
+            out[:, lo:hi] = self._sdpa(q[:, lo:hi], own[: first + hi].transpose(0, 1),
+                                       v[:, : first + hi], mask=mask[lo:hi, : first + hi])
+        return out.transpose(0, 1)

@@ -98,30 +98,37 @@ class FusedDecoder:
 
     def accepts(self, x: torch.Tensor, ctx) -> bool:
         """x's batch, on this step's KV caches: the model's dtype, or (one pool only) int8 /
-        int4 pages."""
+        fp8 / int4 pages."""
+        from tokenmill.kernels.kv_pages import supports
+
         if x.device.type != "cpu" or x.dtype != self.dtype or x.shape[0] > self.max_rows:
             return False
         cache = ctx.kv_cache
         if self.num_pools == 2:
             return (ctx.window_ctx is not None and cache.lossless(x.dtype)
                     and ctx.window_ctx.kv_cache.lossless(x.dtype))
-        return ctx.window_ctx is None and (cache.lossless(x.dtype)
-                                           or cache.format.name in klib.KV_FORMATS)
+        return ctx.window_ctx is None and (
+            cache.lossless(x.dtype) or (cache.quantized and supports(cache)
+                                        and (cache.stage is None
+                                             or cache.stage.dtype == x.dtype)))
 
     def __call__(self, x, positions, ctx) -> torch.Tensor:
         """x: (decodes, hidden) embeddings of a decode-only step -> the final norm's output."""
         cache = ctx.kv_cache
         fmt, st = cache.format, self.struct
         st.kv_format = klib.KV_FORMATS[fmt.name] if fmt.quantized else 0
-        if fmt.quantized:  # codes (and per-token scales) of every layer, and the rotation
-            st.k_scale, st.v_scale = cache.k[1].data_ptr(), cache.v[1].data_ptr()
-            st.k_zero = cache.k[2].data_ptr() if len(cache.k) > 2 else None
-            st.v_zero = cache.v[2].data_ptr() if len(cache.v) > 2 else None
-            if fmt.rotated:
-                self._rotation = fmt.rotation(self.head_dim, x.device).contiguous()
-                st.kv_rotation = self._rotation.data_ptr()
+        if fmt.quantized:  # every layer's scales (int4: K's params and stage, V's rotation)
+            st.k_scale = cache.k[1].data_ptr() if len(cache.k) > 1 else None
+            st.v_scale = cache.v[1].data_ptr()
+            st.k_params = cache.k_blocks[0].data_ptr() if cache.k_blocks else None
+            st.k_stage = cache.stage.data_ptr() if cache.stage is not None else None
+            st.stage_slots = cache.stage.shape[1] if cache.stage is not None else 0
+            if fmt.v_rotated:
+                self._rotation = fmt.rotation(self.head_dim, x.device).float().contiguous()
+                st.v_rotation = self._rotation.data_ptr()
         pools = [(c.kv_cache.k[0], c.kv_cache.v[0], c.slot_mapping, c.decode_block_tables,
-                  c.decode_seq_lens) for c in (ctx, ctx.window_ctx)[:self.num_pools]]
+                  c.decode_seq_lens, c.stage_mapping, c.decode_stages)
+                 for c in (ctx, ctx.window_ctx)[:self.num_pools]]
         return self.lib.decode_stack(st, x, positions, pools)
 
 

@@ -1,16 +1,26 @@
-"""How K and V are stored in the paged cache: plain floats, or quantized per token and KV
-head.
+"""How K and V are stored in the paged cache: plain floats, or quantized.
 
-    format     element   per (token, head) extra     bytes/element at head_dim 64
-    float32    4 B       -                           4
-    bfloat16   2 B       -                           2
-    float16    2 B       -                           2
-    int8       1 B       fp16 scale                  1.03   (symmetric, round to nearest)
-    fp8_e4m3   1 B       fp16 scale                  1.03   (amax scaled to 448)
-    int4       0.5 B     fp16 scale + minimum per 16 0.75   (rotated, asymmetric, clipped)
+    format     element   extra                                       bytes per token and head
+                                                                     (K + V) at head_dim 64
+    float32    4 B       -                                           512
+    bfloat16   2 B       -                                           256
+    float16    2 B       -                                           256
+    int8       1 B       fp16 scale per token and head               132  (symmetric)
+    fp8_e4m3   1 B       fp16 scale per token and head               132  (amax scaled to 448)
+    int4       0.5 B     K: per block and head, each channel's       74.25
+                         minimum and scale (8-bit codes of two fp16
+                         steps); V: fp16 scale per token and head
+
+int8 and fp8 quantize each token's K and V per head. int4 quantizes K per channel over each
+block of block_size tokens (KIVI: a few key channels are large for every token, which per-token
+scales cannot hold) and V rotated (Hadamard), symmetric per token (layers/kv_int4.py). A
+block's K rows wait in the model's dtype (the cache's stage) until the block is full, then the
+block is quantized as a whole; attention reads a query's own block from the stage and every
+earlier block quantized, so what a query sees does not depend on how the steps were cut.
 
 A format turns (tokens, heads, head_dim) into a tuple of "parts", each shaped
-(tokens, heads, width), which the cache stores side by side, and back.
+(tokens, heads, width), which the cache stores side by side, and back; int4's K also has parts
+per (block, head) (block_specs).
 """
 
 from __future__ import annotations
@@ -25,7 +35,8 @@ _MIN_SCALE = 2.0**-14  # smallest normal fp16: keeps scales representable
 
 class KVFormat:
     name = "float"
-    rotated = False  # whether K and V are stored rotated (see rotation())
+    staged = False  # K rows wait in a stage until their block is full (int4)
+    v_rotated = False  # V is stored rotated (see rotation()): the output is rotated back
 
     def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
@@ -35,17 +46,25 @@ class KVFormat:
     def quantized(self) -> bool:
         return False
 
-    def part_specs(self, head_dim: int) -> list[tuple[int, torch.dtype]]:
-        """(width, dtype) of each stored part for one (token, head)."""
+    def part_specs(self, head_dim: int, kind: str = "k") -> list[tuple[int, torch.dtype]]:
+        """(width, dtype) of each stored part for one (token, head) of K or V."""
         return [(head_dim, self.dtype)]
 
-    def bytes_per_head(self, head_dim: int) -> int:
-        return sum(w * d.itemsize for w, d in self.part_specs(head_dim))
+    def block_specs(self, head_dim: int, kind: str = "k") -> list[tuple[int, torch.dtype]]:
+        """(width, dtype) of each part stored per (block, head)."""
+        return []
 
-    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def bytes_per_token_head(self, head_dim: int, block_size: int = 16) -> float:
+        """K and V bytes of one token and KV head (per-block parts spread over the block)."""
+        return sum(sum(w * d.itemsize for w, d in self.part_specs(head_dim, kind))
+                   + sum(w * d.itemsize for w, d in self.block_specs(head_dim, kind)) / block_size
+                   for kind in ("k", "v"))
+
+    def encode(self, x: torch.Tensor, kind: str = "k") -> tuple[torch.Tensor, ...]:
         return (x.to(self.dtype),)
 
-    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, parts: tuple[torch.Tensor, ...], dtype: torch.dtype,
+               kind: str = "k") -> torch.Tensor:
         return parts[0].to(dtype)
 
 
@@ -62,15 +81,15 @@ class Int8Format(KVFormat):
     def quantized(self) -> bool:
         return True
 
-    def part_specs(self, head_dim):
+    def part_specs(self, head_dim, kind="k"):
         return [(head_dim, torch.int8), (1, _SCALE)]
 
-    def encode(self, x):
+    def encode(self, x, kind="k"):
         scale = _absmax_scale(x, 127.0)
         q = (x.float() / scale.float()).round().clamp(-127, 127).to(torch.int8)
         return q, scale
 
-    def decode(self, parts, dtype):
+    def decode(self, parts, dtype, kind="k"):
         q, scale = parts
         return (q.float() * scale.float()).to(dtype)
 
@@ -83,23 +102,24 @@ class Fp8Format(KVFormat):
     def quantized(self) -> bool:
         return True
 
-    def part_specs(self, head_dim):
+    def part_specs(self, head_dim, kind="k"):
         return [(head_dim, torch.float8_e4m3fn), (1, _SCALE)]
 
-    def encode(self, x):
+    def encode(self, x, kind="k"):
         scale = _absmax_scale(x, 448.0)
         q = (x.float() / scale.float()).clamp(-448, 448).to(torch.float8_e4m3fn)
         return q, scale
 
-    def decode(self, parts, dtype):
+    def decode(self, parts, dtype, kind="k"):
         q, scale = parts
         return (q.float() * scale.float()).to(dtype)
 
 
 def rotation(head_dim: int) -> torch.Tensor:
     """A fixed orthogonal (head_dim, head_dim) matrix: the normalized Hadamard matrix when
-    head_dim is a power of two, else a seeded random orthogonal one. Rotating K (and Q) keeps
-    every score (q H) . (k H) = q . k and spreads a few large channels over all of them."""
+    head_dim is a power of two, else a seeded random orthogonal one. Rotating K and q keeps
+    every score (q H) . (k H) = q . k; rotating V rotates the attention output (rotated back
+    by H^T); either spreads a few large channels over all of them."""
     if head_dim & (head_dim - 1) == 0:
         h = torch.ones(1, 1)
         while h.shape[0] < head_dim:
@@ -110,62 +130,10 @@ def rotation(head_dim: int) -> torch.Tensor:
     return torch.linalg.qr(m)[0].float()
 
 
-class Int4Format(KVFormat):
-    """Rotated (see rotation), then asymmetric 4-bit per group of 16 values with an fp16 scale
-    and minimum each, the range clipped where that lowers the group's squared error. Codes:
-    byte j holds value j (low nibble) and value j + head_dim / 2 (high nibble). Measured on
-    SmolLM2-135M (benchmarks/kv_quality.py): +12.5 % perplexity with one unrotated group per
-    head, +1.6 % / +2.1 % (prose / code) like this."""
+def _int4() -> KVFormat:
+    from tokenmill.layers.kv_int4 import Int4Format  # it builds on this module
 
-    GROUP = 16
-    CLIP = (1.0, 0.95, 0.9, 0.85, 0.8)  # candidate shrinks of the group's min and max
-    rotated = True
-
-    def __init__(self) -> None:
-        self.dtype, self.name = torch.uint8, "int4"
-        self._rotations: dict[int, torch.Tensor] = {}
-
-    @property
-    def quantized(self) -> bool:
-        return True
-
-    def part_specs(self, head_dim):
-        if head_dim % (2 * self.GROUP):
-            raise ValueError(f"int4 KV cache needs head_dim a multiple of {2 * self.GROUP}, "
-                             f"got {head_dim}")
-        groups = head_dim // self.GROUP
-        return [(head_dim // 2, torch.uint8), (groups, _SCALE), (groups, _SCALE)]
-
-    def rotation(self, head_dim: int, device: torch.device) -> torch.Tensor:
-        key = (head_dim, str(device))
-        if key not in self._rotations:
-            self._rotations[key] = rotation(head_dim).to(device)
-        return self._rotations[key]
-
-    def encode(self, x):
-        d = x.shape[-1]
-        g = (x.float() @ self.rotation(d, x.device)).unflatten(-1, (d // self.GROUP, self.GROUP))
-        g = g[..., None, :]  # (..., groups, 1, GROUP): every clip candidate at once
-        clip = torch.tensor(self.CLIP, device=x.device)
-        a, b = torch.meshgrid(clip, clip, indexing="ij")
-        lo = (g.amin(-1, keepdim=True) * a.reshape(-1, 1)).to(_SCALE).float()
-        hi = g.amax(-1, keepdim=True) * b.reshape(-1, 1)
-        scale = ((hi - lo) / 15.0).clamp(min=_MIN_SCALE).to(_SCALE).float()
-        q = ((g - lo) / scale).round_().clamp_(0, 15)
-        err = (q * scale + lo - g).square_().sum(-1)  # (..., groups, candidates)
-        best = err.argmin(-1)[..., None, None]  # the first of equal errors: the widest range
-        pick = lambda t: t.gather(-2, best.expand(*best.shape[:-1], t.shape[-1]))[..., 0, :]  # noqa: E731
-        q = pick(q).flatten(-2).to(torch.uint8)
-        packed = q[..., : d // 2] | (q[..., d // 2:] << 4)
-        return packed, pick(scale)[..., 0].to(_SCALE), pick(lo)[..., 0].to(_SCALE)
-
-    def decode(self, parts, dtype):
-        packed, scale, lo = parts
-        q = torch.cat((packed & 0xF, packed >> 4), dim=-1).float()  # (.., head_dim)
-        d = q.shape[-1]
-        x = q.unflatten(-1, (d // self.GROUP, self.GROUP)) * scale.float()[..., None] \
-            + lo.float()[..., None]
-        return (x.flatten(-2) @ self.rotation(d, q.device).T).to(dtype)
+    return Int4Format()
 
 
 # The one registry of KV formats: config validation, the CLI and `kv-memory` list these names.
@@ -175,7 +143,7 @@ KV_FORMATS = {
     "float16": lambda: KVFormat(torch.float16),
     "fp8_e4m3": Fp8Format,
     "int8": Int8Format,
-    "int4": Int4Format,
+    "int4": _int4,
 }
 
 

@@ -121,20 +121,23 @@ class TorchOps:
         return None
 
     def kv_store(self, cache, layer: int, k: torch.Tensor, v: torch.Tensor,
-                 slots: torch.Tensor) -> None:
-        """Write a step's new K/V (tokens, kv_heads, head_dim) into `layer` of the cache."""
-        cache.store(layer, k, v, slots)
+                 slots: torch.Tensor, stage_rows: torch.Tensor | None = None) -> None:
+        """Write a step's new K/V (tokens, kv_heads, head_dim) into `layer` of the cache
+        (stage_rows: a staged cache's K rows, layers/kv_cache.py)."""
+        cache.store(layer, k, v, slots, stage_rows)
 
-    def decode_attention_quant(self, q, fmt: str, k_parts, v_parts, block_tables, seq_lens,
+    def decode_attention_quant(self, q, cache, layer: int, block_tables, seq_lens, stages,
                                window, scale):
-        """Paged attention on a quantized cache (its parts for one layer), float32 q; None when
-        this implementation has none (the caller gathers, dequantizes and uses SDPA)."""
+        """Paged attention on one layer of a quantized cache, float32 q (stages: a staged
+        cache's stage slot of each row's own block); the output as V is stored (rotated where
+        V is). None when this implementation has none (the caller gathers, dequantizes and uses
+        SDPA)."""
         return None
 
-    def prefill_attention_quant(self, q, fmt: str, k_parts, v_parts, block_table, num_computed,
-                                window, scale):
-        """prefill_attention on a quantized cache, float32 q; None when this implementation has
-        none (the caller gathers, dequantizes and uses SDPA)."""
+    def prefill_attention_quant(self, q, cache, layer: int, block_table, stage_table,
+                                num_computed, window, scale):
+        """prefill_attention on a quantized cache, q float32 or bfloat16; None when this
+        implementation has none (the caller gathers, dequantizes and uses SDPA)."""
         return None
 
     def prepare_attention(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
@@ -232,32 +235,29 @@ class KernelOps(TorchOps):
                                              scale)
         return None
 
-    def kv_store(self, cache, layer, k, v, slots):
-        from tokenmill.kernels.lib import KV_FORMATS
+    def kv_store(self, cache, layer, k, v, slots, stage_rows=None):
+        from tokenmill.kernels.kv_pages import supports
 
-        fmt = cache.format
-        if fmt.name not in KV_FORMATS or k.device.type != "cpu" or k.shape[-1] > 256:
-            return super().kv_store(cache, layer, k, v, slots)
-        rot = fmt.rotation(k.shape[-1], k.device) if fmt.rotated else None
-        for parts, x in ((cache.k, k), (cache.v, v)):
-            self.lib.kv_store(fmt.name, x, [p[layer] for p in parts], slots, rot)
+        if not supports(cache):
+            return super().kv_store(cache, layer, k, v, slots, stage_rows)
+        self.lib.kv_store(cache, layer, k, v, slots, stage_rows)
 
-    def decode_attention_quant(self, q, fmt, k_parts, v_parts, block_tables, seq_lens, window,
+    def decode_attention_quant(self, q, cache, layer, block_tables, seq_lens, stages, window,
                                scale):
-        from tokenmill.kernels.lib import KV_FORMATS
+        from tokenmill.kernels.kv_pages import supports
 
-        if fmt not in KV_FORMATS or q.device.type != "cpu" or q.shape[-1] % 32:
+        if not supports(cache):
             return None
-        return self.lib.decode_attention_quant(q, fmt, k_parts, v_parts, block_tables,
-                                               seq_lens, window, scale)
+        return self.lib.decode_attention_quant(q, cache, layer, block_tables, seq_lens, stages,
+                                               window, scale)
 
-    def prefill_attention_quant(self, q, fmt, k_parts, v_parts, block_table, num_computed,
+    def prefill_attention_quant(self, q, cache, layer, block_table, stage_table, num_computed,
                                 window, scale):
-        from tokenmill.kernels.lib import KV_FORMATS
+        from tokenmill.kernels.kv_pages import supports
 
-        if fmt not in KV_FORMATS or q.device.type != "cpu" or q.shape[-1] % 32:
+        if not supports(cache):
             return None
-        return self.lib.prefill_attention_quant(q, fmt, k_parts, v_parts, block_table,
+        return self.lib.prefill_attention_quant(q, cache, layer, block_table, stage_table,
                                                 num_computed, window, scale)
 
     def prefill_attention(self, q, k_cache, v_cache, block_table, num_computed, window, scale):

@@ -3,7 +3,8 @@
 // of one KV head, walk the keys a tile at a time, keeping each row's running maximum, sum and
 // float32 output; no (queries x keys) matrix and no gathered copy of the cache. Quantized pages
 // (kv_pages.h) are dequantized a key tile at a time, so a long quantized prefix never exists
-// in float as a whole.
+// in float as a whole; int4 K tiles of a block are read from the stage for the queries in that
+// block and quantized for the queries after it.
 #include <type_traits>
 
 #include "kv_pages.h"
@@ -118,6 +119,7 @@ struct PrefillTask {
   float scale;
   T* out;
   const QuantPages *kq = nullptr, *vq = nullptr;  // quantized pages instead of kc, vc
+  const int64_t* stage_table = nullptr;          // int4 K: each block's stage slot
 
   static constexpr bool kDot =
 #ifdef TM_ISA_AVX512_BF16
@@ -129,17 +131,21 @@ struct PrefillTask {
   int64_t Dp() const { return (D + kLanes - 1) / kLanes * kLanes; }
   int64_t at(int64_t h, int64_t pos) const { return ((table[pos / BS] * BS + pos % BS) * Hk + h) * D; }
 
-  // keys [p, p + n) of KV head h: K transposed (kt[d][j], or bf16 pairs kp[d/2][j]), V widened
-  // to v[j][0:Dp]; keys past n are zero
-  void load_keys(int64_t h, int64_t p, int64_t n, Scratch& sc) const {
+  // keys [p, p + n) (one block's) of KV head h: K transposed (kt[d][j], or bf16 pairs
+  // kp[d/2][j]), V widened to v[j][0:Dp]; keys past n are zero. staged: int4 K from the stage
+  void load_keys(int64_t h, int64_t p, int64_t n, Scratch& sc, bool staged = false) const {
     std::fill(sc.v.begin(), sc.v.end(), 0.f);
     if (kDot) std::fill(sc.kp.begin(), sc.kp.end(), 0u);
     else std::fill(sc.kt.begin(), sc.kt.end(), 0.f);
+    float lo[256], st[256];
+    if (kq && kq->fmt == TM_KV_INT4 && !staged) kq->block_params(table[p / BS], h, lo, st);
     for (int64_t j = 0; j < n; ++j) {
       if (kq) {  // the key row dequantized (through v's scratch row), then the value row
         const int64_t slot = table[(p + j) / BS] * BS + (p + j) % BS;
         float* row = sc.v.data() + j * Dp();
-        dequant_row(*kq, slot, h, row);
+        if (kq->fmt != TM_KV_INT4) dequant_row(*kq, slot, h, row);
+        else if (staged) kq->stage_row(stage_table[p / BS], (p + j) % BS, h, row);
+        else kq->row_k4(slot, h, lo, st, row);
         if constexpr (kDot)  // rounded to bf16 pairs, as a bf16 model's cache would hold them
           for (int64_t d = 0; d < D / 2; ++d)
             sc.kp[d * kKeys + j] = to_bf16(row[2 * d]).bits | uint32_t{to_bf16(row[2 * d + 1]).bits} << 16;
@@ -177,13 +183,10 @@ struct PrefillTask {
     std::vector<float> corr(kRows);
     int64_t first = computed + i0, last = computed + i0 + rows - 1;  // query positions
     int64_t p = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-    for (int64_t n; p <= last; p += n) {
-      n = std::min({kKeys, BS - p % BS, last + 1 - p});
-      load_keys(h, p, n, sc);
-      // rows whose position comes before the tile see none of it: start past them
-      int64_t r0 = std::max<int64_t>(0, p - first) * group;
-      for (; r0 < R; r0 += kRows) {
-        int64_t rb = std::min<int64_t>(kRows, R - r0);
+    // rows [r0, r1) against the loaded key tile [p, p + n)
+    auto attend_rows = [&](int64_t p, int64_t n, int64_t r0, int64_t r1) {
+      for (; r0 < r1; r0 += kRows) {
+        int64_t rb = std::min<int64_t>(kRows, r1 - r0);
         float* s = sc.s.data() + r0 * kKeys;
         for_rows<kRows>(rb, [&](auto c) {
           if constexpr (kDot) {
@@ -201,6 +204,22 @@ struct PrefillTask {
             values_fma<c>(s + i * kKeys, corr.data() + i, sc.v.data(), n, Dp,
                           sc.o.data() + (r0 + i) * Dp);
           });
+      }
+    };
+    const bool staged = kq && kq->fmt == TM_KV_INT4;
+    for (int64_t n; p <= last; p += n) {
+      n = std::min({kKeys, BS - p % BS, last + 1 - p});
+      // rows whose position comes before the tile see none of it: start past them
+      const int64_t r0 = std::max<int64_t>(0, p - first) * group;
+      // int4: rows in the tile's block read it from the stage, later rows quantized
+      const int64_t split = staged ? std::clamp<int64_t>(((p / BS + 1) * BS - first) * group, r0, R) : r0;
+      if (split > r0) {
+        load_keys(h, p, n, sc, true);
+        attend_rows(p, n, r0, split);
+      }
+      if (R > split) {
+        load_keys(h, p, n, sc);
+        attend_rows(p, n, split, R);
       }
     }
     for (int64_t r = 0; r < R; ++r) {
@@ -275,18 +294,17 @@ extern "C" void tm_prefill_attention_quant(int dtype, const void* q, int64_t n_n
                                            int64_t head_dim, const tm_kv_pages* k,
                                            const tm_kv_pages* v, int64_t block_size,
                                            int64_t kv_heads, const int64_t* block_table,
-                                           int64_t num_computed, int64_t window, float scale,
-                                           void* out) {
-  const QuantPages K{k->format, k->codes, k->scale, k->zero, kv_heads, head_dim};
-  const QuantPages V{v->format, v->codes, v->scale, v->zero, kv_heads, head_dim};
+                                           const int64_t* stage_table, int64_t num_computed,
+                                           int64_t window, float scale, void* out) {
+  const QuantPages K(*k, kv_heads, head_dim, block_size), V(*v, kv_heads, head_dim, block_size);
   if (dtype == TM_BF16) {  // keys rounded to bf16: the dot-product scores where the ISA has them
     PrefillTask<bf16> t{static_cast<const bf16*>(q), nullptr, nullptr, block_table, heads,
                         kv_heads, head_dim, block_size, num_computed, window, scale,
-                        static_cast<bf16*>(out), &K, &V};
+                        static_cast<bf16*>(out), &K, &V, stage_table};
     return prefill_attention(t, n_new);
   }
   PrefillTask<float> t{static_cast<const float*>(q), nullptr, nullptr, block_table, heads,
                        kv_heads, head_dim, block_size, num_computed, window, scale,
-                       static_cast<float*>(out), &K, &V};
+                       static_cast<float*>(out), &K, &V, stage_table};
   prefill_attention(t, n_new);
 }

@@ -3,7 +3,9 @@
 // dequantized a few at a time into an L1 scratch that every query head of the KV head reads.
 // Tasks hold all KV heads of a sequence when there are many sequences (one contiguous run per
 // cache row), else one KV head; when even those are fewer than 4 per thread, each sequence's
-// positions are split between tasks (partial softmax sums, combined at the end).
+// positions are split between tasks (partial softmax sums, combined at the end). int4 K: each
+// block's channel params are decoded once per KV head, the query's own block comes from the
+// stage.
 #include "attention_common.h"
 #include "kv_pages.h"
 #include "tm.h"
@@ -13,14 +15,16 @@ namespace tm {
 
 struct Part {  // one task's share: KV heads [h0, h0 + nh) of sequence b, positions [p0, p1)
   int64_t b, h0, nh, p0, p1;
+  int64_t own, stage;  // int4: the block index of the query's position and its stage slot
 };
 
 // Unnormalized attention of the task's query heads (group per KV head, qf pre-scaled) over its
 // positions: m[g] the largest score, l[g] the sum of exp(score - m), acc[g] the weighted values.
-template <int F>  // the pages' format (K and V are stored alike)
+template <int F>  // K's format (int4's V: TM_KV_INT4V, else as K)
 void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, const int64_t* table,
                  const Part& t, int64_t BS,
                  int64_t group, float* scores, float* buf, float* acc, float* m, float* l) {
+  constexpr int FV = F == TM_KV_INT4 ? TM_KV_INT4V : F;
   const int64_t D = K.D, n = t.p1 - t.p0, Dp = (D + kLanes - 1) / kLanes * kLanes;
   const int64_t nq = t.nh * group;
   auto slot = [&](int64_t p) { return table[p / BS] * BS + p % BS; };
@@ -34,22 +38,34 @@ void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, cons
         c.prefetch(slot(p + rows), r1, t.h0, t.nh, true);
         if (p + rows + r1 < t.p1) c.prefetch(slot(p + rows + r1), take(p + rows + r1), t.h0, t.nh, false);
       }
-      fn(p - t.p0, rows, slot(p));
+      fn(p, rows, slot(p));
     }
   };
-  walk(K, [&](int64_t at, int64_t rows, int64_t s0) {
+  float lo[256], st[256];
+  walk(K, [&](int64_t p, int64_t rows, int64_t s0) {
+    const int64_t at = p - t.p0;
     for (int64_t hh = 0; hh < t.nh; ++hh) {
       const int64_t h = t.h0 + hh;
-      for (int64_t j = 0; j < rows; ++j) K.row<F>(s0 + j, h, buf + j * Dp);
+      if constexpr (F == TM_KV_INT4) {
+        if (p / BS == t.own) {
+          for (int64_t j = 0; j < rows; ++j) K.stage_row(t.stage, p % BS + j, h, buf + j * Dp);
+        } else {
+          K.block_params(s0 / BS, h, lo, st);
+          for (int64_t j = 0; j < rows; ++j) K.row_k4(s0 + j, h, lo, st, buf + j * Dp);
+        }
+      } else {
+        for (int64_t j = 0; j < rows; ++j) K.row<F>(s0 + j, h, buf + j * Dp);
+      }
       for (int64_t g = hh * group; g < (hh + 1) * group; ++g)
         score(qf + g * Dp, buf, Dp, rows, D, scores + g * n + at);
     }
   });
   for (int64_t g = 0; g < nq; ++g) l[g] = exp_shifted(scores + g * n, n, m + g);  // unnormalized
   std::fill(acc, acc + nq * Dp, 0.f);
-  walk(V, [&](int64_t at, int64_t rows, int64_t s0) {
+  walk(V, [&](int64_t p, int64_t rows, int64_t s0) {
+    const int64_t at = p - t.p0;
     for (int64_t hh = 0; hh < t.nh; ++hh) {
-      for (int64_t j = 0; j < rows; ++j) V.row<F>(s0 + j, t.h0 + hh, buf + j * Dp);
+      for (int64_t j = 0; j < rows; ++j) V.row<FV>(s0 + j, t.h0 + hh, buf + j * Dp);
       for (int64_t g = hh * group; g < (hh + 1) * group; ++g)
         accumulate_rows(scores + g * n + at, buf, Dp, rows, D, acc + g * Dp);
     }
@@ -64,11 +80,11 @@ extern "C" void tm_decode_attention_quant(const float* q, const tm_kv_pages* k,
                                           const tm_kv_pages* v, int64_t block_size,
                                           int64_t kv_heads, const int64_t* block_tables,
                                           int64_t max_blocks, const int64_t* seq_lens,
-                                          int64_t batch, int64_t heads, int64_t head_dim,
-                                          int64_t window, float scale, float* out) {
+                                          const int64_t* stages, int64_t batch, int64_t heads,
+                                          int64_t head_dim, int64_t window, float scale,
+                                          float* out) {
   const int64_t group = heads / kv_heads, D = head_dim, Dp = (D + kLanes - 1) / kLanes * kLanes;
-  const QuantPages K{k->format, k->codes, k->scale, k->zero, kv_heads, D};
-  const QuantPages V{v->format, v->codes, v->scale, v->zero, kv_heads, D};
+  const QuantPages K(*k, kv_heads, D, block_size), V(*v, kv_heads, D, block_size);
   const int64_t threads = g_threads;
   int64_t longest = 0, total = 0;
   for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, seq_lens[b]), total += seq_lens[b];
@@ -81,7 +97,8 @@ extern "C" void tm_decode_attention_quant(const float* q, const tm_kv_pages* k,
     for (int64_t h0 = 0; h0 < kv_heads; h0 += nh)
       for (int64_t s = 0; s < splits; ++s)
         parts.push_back({b, h0, nh, start + (L - start) * s / splits,
-                         start + (L - start) * (s + 1) / splits});
+                         start + (L - start) * (s + 1) / splits, (L - 1) / block_size,
+                         stages ? stages[b] : -1});
   }
   auto attend = K.fmt == TM_KV_INT8  ? attend_part<TM_KV_INT8>
                 : K.fmt == TM_KV_FP8 ? attend_part<TM_KV_FP8>

@@ -20,29 +20,31 @@ struct Scratch {  // the step's activations, reused from call to call
 // One layer on a quantized cache: store the new K/V, attend; q/k/v/attn in the model's dtype.
 template <typename T>
 void quant_kv_layer(const tm_decoder& m, int64_t l, const T* q, const T* k, const T* v, T* attn,
-                    int64_t B, void* k_codes, void* v_codes, int64_t slots_per_layer, int64_t BS,
-                    const int64_t* slots, const int64_t* tables, int64_t max_blocks,
-                    const int64_t* lens, int64_t window, std::vector<char>& scratch) {
+                    int64_t B, const tm_kv_pool& pool, int64_t BS, int64_t window,
+                    std::vector<char>& scratch) {
   const int64_t Hk = m.kv_heads, D = m.head_dim, Hq = m.heads;
   const bool int4 = m.kv_format == TM_KV_INT4;
-  const int64_t code_bytes = int4 ? D / 2 : D, groups = int4 ? D / 16 : 1;
-  const int64_t rows = slots_per_layer * Hk;
-  auto pages = [&](void* codes, const uint16_t* scale, const uint16_t* zero) {
-    return tm_kv_pages{m.kv_format, static_cast<char*>(codes) + l * rows * code_bytes,
-                       scale + l * rows * groups, zero ? zero + l * rows * groups : nullptr};
-  };
-  const tm_kv_pages kp = pages(k_codes, m.k_scale, m.k_zero), vp = pages(v_codes, m.v_scale, m.v_zero);
+  const int64_t code_bytes = int4 ? D / 2 : D, rows = pool.num_blocks * BS * Hk;
+  char* kc = static_cast<char*>(pool.k) + l * rows * code_bytes;
+  char* vc = static_cast<char*>(pool.v) + l * rows * code_bytes;
+  const int sd = m.dtype;  // the stage holds the model's dtype
+  tm_kv_pages kp{m.kv_format, kc, int4 ? nullptr : m.k_scale + l * rows, nullptr, nullptr, sd};
+  if (int4) {
+    kp.params = m.k_params + l * pool.num_blocks * Hk * (2 * D + 4);
+    kp.stage = static_cast<char*>(m.k_stage) + l * m.stage_slots * BS * Hk * D * (sd == TM_BF16 ? 2 : 4);
+  }
+  const tm_kv_pages vp{int4 ? TM_KV_INT4V : m.kv_format, vc, m.v_scale + l * rows, nullptr,
+                       nullptr, sd};
   scratch.resize(sizeof(float) * B * (2 * Hq + 2 * Hk) * D);
   float* f = reinterpret_cast<float*>(scratch.data());
   float *qf = f, *of = f + B * Hq * D, *kf = of + B * Hq * D, *vf = kf + B * Hk * D;
   for (int64_t i = 0; i < B * Hk * D; ++i) kf[i] = to_f(k[i]), vf[i] = to_f(v[i]);
-  tm_kv_store(m.kv_format, kf, B, Hk, D, m.kv_rotation, slots, &kp);
-  tm_kv_store(m.kv_format, vf, B, Hk, D, m.kv_rotation, slots, &vp);
+  tm_kv_store(kp.format, kf, B, Hk, D, nullptr, pool.slots, pool.stage_rows, BS, &kp);
+  tm_kv_store(vp.format, vf, B, Hk, D, m.v_rotation, pool.slots, nullptr, BS, &vp);
   for (int64_t i = 0; i < B * Hq * D; ++i) qf[i] = to_f(q[i]);
-  if (m.kv_rotation) rotate_rows(qf, B * Hq, D, m.kv_rotation, false);
-  tm_decode_attention_quant(qf, &kp, &vp, BS, Hk, tables, max_blocks, lens, B, Hq, D, window,
-                            m.scale, of);
-  if (m.kv_rotation) rotate_rows(of, B * Hq, D, m.kv_rotation, true);
+  tm_decode_attention_quant(qf, &kp, &vp, BS, Hk, pool.tables, pool.max_blocks, pool.lens,
+                            pool.stages, B, Hq, D, window, m.scale, of);
+  if (m.v_rotation) rotate_rows(of, B * Hq, D, m.v_rotation, true);
   for (int64_t i = 0; i < B * Hq * D; ++i) attn[i] = from_f<T>(of[i]);
 }
 
@@ -89,8 +91,7 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
     tm_rope(dt, k, B, m.kv_heads, D, cos_sin, m.max_positions, positions);
     const int64_t layer_elems = pool.num_blocks * BS * kvs;
     if (m.kv_format) {  // one pool only (FusedDecoder.accepts)
-      quant_kv_layer(m, w.pool_layer, q, k, v, attn, B, pool.k, pool.v, pool.num_blocks * BS,
-                     BS, pool.slots, pool.tables, pool.max_blocks, pool.lens, w.window, s.f32);
+      quant_kv_layer(m, w.pool_layer, q, k, v, attn, B, pool, BS, w.window, s.f32);
     } else {
       T* kc = static_cast<T*>(pool.k) + w.pool_layer * layer_elems;
       T* vc = static_cast<T*>(pool.v) + w.pool_layer * layer_elems;

@@ -1,13 +1,18 @@
 // tokenmill CPU kernels: writing new K or V rows into a quantized paged cache, the same
-// arithmetic as layers/kv_quant.py's encoders (tests/test_kernels.py compares the two):
+// arithmetic as layers/kv_quant.py's and kv_int4.py's encoders (tests/test_kv_kernels.py
+// compares them):
 //
-//   int8  s = fp16(max(max|x| / 127, 2**-14)); q = round(x / s) in [-127, 127]
-//   fp8   s = fp16(max(max|x| / 448, 2**-14)); q = e4m3(x / s), rounded to nearest even
-//   int4  x rotated (x @ R); per group of 16: for every clip (a, b) of (1, .95, .9, .85, .8)^2,
-//         lo = fp16(min * a), s = fp16(max((max * b - lo) / 15, 2**-14)),
-//         q = round((x - lo) / s) in [0, 15]; the first pair with the least squared error wins
-//         (in vectors here, rounding halves up where the encoder rounds them to even, and the
-//         error summed in another order: the same codes but for rare ties)
+//   int8    s = fp16(max(max|x| / 127, 2**-14)); q = round(x / s) in [-127, 127]
+//   fp8     s = fp16(max(max|x| / 448, 2**-14)); q = e4m3(x / s), rounded to nearest even
+//   int4 V  y = x @ R; per shrink c of kShrink: s = fp16(max(max|y| * c / 7.5, 2**-14)),
+//           q = round(y / s + 7.5) in [0, 15]; the first with the least squared error wins
+//   int4 K  rows to the stage; a block whose last row is written: per channel, the first clip
+//           c of kClip with the least squared error gives [lo, hi] = c [min, max]; the head's
+//           units mu = fp16(max(max|lo| / 127, 2**-24)) and su = the fp16 not below
+//           max step / 255, where mc = floor(lo / mu) and step = max((hi - mc mu) / 15, 2**-14);
+//           sc = ceil(step / su); q = round((k - mc mu) / (sc su)) in [0, 15]
+// (errors are summed in double in another order than PyTorch's, and the rotation's sums too:
+// the same codes but for rare ties)
 #include "internal.h"
 #include "tm.h"
 #include "vec.h"
@@ -16,10 +21,15 @@ namespace tm {
 
 constexpr int64_t kMaxKvHeadDim = 256;
 constexpr float kMinScale = 1.0f / 16384;  // 2**-14
-constexpr int kG = 16;
-constexpr float kClip[5] = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f};
+constexpr float kTiny = 0x1p-24f;          // the least fp16 subnormal
+constexpr float kClip[4] = {1.0f, 0.9f, 0.8f, 0.7f};
+constexpr float kShrink[9] = {1.0f, 0.95f, 0.9f, 0.85f, 0.8f, 0.75f, 0.7f, 0.65f, 0.6f};
 
-inline float rhalf(float v) { return half_to_f(f_to_half(v)); }  // through an fp16 store
+inline float clampf(float v, float lo, float hi) { return std::min(hi, std::max(lo, v)); }
+
+void pack_nibbles(const uint8_t* q, int64_t D, uint8_t* codes) {
+  for (int64_t j = 0; j < D / 2; ++j) codes[j] = q[j] | (q[j + D / 2] << 4);
+}
 
 void store_int8(const float* x, int64_t D, int8_t* q, uint16_t* scale) {
   float amax = 0.f;
@@ -53,34 +63,81 @@ void store_fp8(const float* x, int64_t D, uint8_t* q, uint16_t* scale) {
   *scale = s16;
 }
 
-void store_int4(const float* x, int64_t D, uint8_t* codes, uint16_t* scale, uint16_t* zero) {
-  uint8_t q[kMaxKvHeadDim];
-  for (int64_t g = 0; g < D / kG; ++g) {
-    const float* v = x + g * kG;
-    float lo0 = v[0], hi0 = v[0];
-    for (int j = 1; j < kG; ++j) lo0 = std::min(lo0, v[j]), hi0 = std::max(hi0, v[j]);
-    float best = INFINITY, best_lo = 0.f, best_s = 1.f;
-    for (float a : kClip)
-      for (float b : kClip) {
-        const float lo = rhalf(lo0 * a), s = rhalf(std::max((hi0 * b - lo) / 15.f, kMinScale));
-        const vec vlo = vset1(lo), vs = vset1(s), top = vset1(15.f), half = vset1(0.5f);
-        vec err = vzero();
-        for (int j = 0; j < kG; j += kLanes) {  // the group's values in whole vectors
-          vec x = vload(v + j);
-          vec c = vmin(top, vmax(vzero(), vfloor(vadd(vdiv(vsub(x, vlo), vs), half))));
-          vec e = vsub(vfma(c, vs, vlo), x);
-          err = vfma(e, e, err);
-        }
-        const float total = vsum(err);
-        if (total < best) best = total, best_lo = lo, best_s = s;
-      }
-    for (int j = 0; j < kG; ++j)
-      q[g * kG + j] = static_cast<uint8_t>(
-          std::min(15.f, std::max(0.f, std::floor((v[j] - best_lo) / best_s + 0.5f))));
-    scale[g] = f_to_half(best_s);
-    zero[g] = f_to_half(best_lo);
+// int4 V: y (already rotated) -> codes and scale
+void store_int4v(const float* y, int64_t D, uint8_t* codes, uint16_t* scale) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(y[i]));
+  double best = INFINITY;
+  uint16_t best_s = 0;
+  for (float c : kShrink) {
+    const uint16_t s16 = f_to_half(std::max(amax * c / 7.5f, kMinScale));
+    const float s = half_to_f(s16);
+    double err = 0.0;
+    for (int64_t i = 0; i < D; ++i) {
+      const float q = clampf(std::nearbyint(y[i] / s + 7.5f), 0.f, 15.f);
+      const double e = static_cast<double>((q - 7.5f) * s - y[i]);
+      err += e * e;
+    }
+    if (err < best) best = err, best_s = s16;
   }
-  for (int64_t j = 0; j < D / 2; ++j) codes[j] = q[j] | (q[j + D / 2] << 4);
+  const float s = half_to_f(best_s);
+  uint8_t q[kMaxKvHeadDim];
+  for (int64_t i = 0; i < D; ++i)
+    q[i] = static_cast<uint8_t>(clampf(std::nearbyint(y[i] / s + 7.5f), 0.f, 15.f));
+  pack_nibbles(q, D, codes);
+  *scale = best_s;
+}
+
+// int4 K: one head of a full block, rows y[j * ld + i] (BS rows, D channels) -> each row's
+// codes (`code_stride` bytes apart) and the block's params
+void seal_int4k(const float* y, int64_t ld, int64_t BS, int64_t D, uint8_t* codes,
+                int64_t code_stride, uint8_t* params) {
+  float lo[kMaxKvHeadDim], hi[kMaxKvHeadDim];
+  for (int64_t i = 0; i < D; ++i) {
+    float mn = y[i], mx = y[i];
+    for (int64_t j = 1; j < BS; ++j) mn = std::min(mn, y[j * ld + i]), mx = std::max(mx, y[j * ld + i]);
+    double best = INFINITY;
+    for (float c : kClip) {
+      const float l = mn * c, h = mx * c, s = std::max((h - l) / 15.f, kMinScale);
+      double err = 0.0;
+      for (int64_t j = 0; j < BS; ++j) {
+        const float v = y[j * ld + i];
+        const float z = clampf(std::nearbyint((v - l) / s), 0.f, 15.f) * s + l;
+        const double e = static_cast<double>(z - v);
+        err += e * e;
+      }
+      if (err < best) best = err, lo[i] = l, hi[i] = h;
+    }
+  }
+  float lmax = 0.f;
+  for (int64_t i = 0; i < D; ++i) lmax = std::max(lmax, std::fabs(lo[i]));
+  const uint16_t mu16 = f_to_half(std::max(lmax / 127.f, kTiny));
+  const float mu = half_to_f(mu16);
+  float step[kMaxKvHeadDim], smax = 0.f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float mc = clampf(std::floor(lo[i] / mu), -128.f, 127.f);
+    params[i] = static_cast<uint8_t>(static_cast<int8_t>(mc));
+    lo[i] = mc * mu;
+    step[i] = std::max((hi[i] - lo[i]) / 15.f, kMinScale);
+    smax = std::max(smax, step[i]);
+  }
+  const float want = smax / 255.f;
+  uint16_t su16 = f_to_half(want);
+  if (half_to_f(su16) < want) ++su16;  // the next fp16 up (want > 0)
+  const float su = half_to_f(su16);
+  for (int64_t i = 0; i < D; ++i) {
+    const float sc = clampf(std::ceil(step[i] / su), 1.f, 255.f);
+    params[D + i] = static_cast<uint8_t>(sc);
+    step[i] = sc * su;
+  }
+  std::memcpy(params + 2 * D, &mu16, 2);
+  std::memcpy(params + 2 * D + 2, &su16, 2);
+  uint8_t q[kMaxKvHeadDim];
+  for (int64_t j = 0; j < BS; ++j) {
+    for (int64_t i = 0; i < D; ++i)
+      q[i] = static_cast<uint8_t>(clampf(std::nearbyint((y[j * ld + i] - lo[i]) / step[i]), 0.f, 15.f));
+    pack_nibbles(q, D, codes + j * code_stride);
+  }
 }
 
 // rows (n, D) float32 <- rows @ R (or @ R^T), in place; D <= 256
@@ -108,37 +165,70 @@ void rotate_rows(float* x, int64_t n, int64_t D, const float* R, bool transpose)
   });
 }
 
+// int4 K: the step's rows into the stage, then every block whose last row came is quantized
+void store_int4k(const float* x, int64_t tokens, int64_t Hk, int64_t D, const int64_t* slots,
+                 const int64_t* stage_rows, int64_t BS, const tm_kv_pages& p) {
+  parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* src = x + t * Hk * D;
+      const int64_t at = stage_rows[t] * Hk * D;
+      if (p.stage_dtype == TM_BF16) {
+        bf16* dst = static_cast<bf16*>(p.stage) + at;
+        for (int64_t i = 0; i < Hk * D; ++i) dst[i] = to_bf16(src[i]);
+      } else {
+        std::memcpy(static_cast<float*>(p.stage) + at, src, Hk * D * sizeof(float));
+      }
+    }
+  });
+  std::vector<int64_t> full;  // tokens that end a block
+  for (int64_t t = 0; t < tokens; ++t)
+    if (slots[t] % BS == BS - 1) full.push_back(t);
+  const int64_t n = static_cast<int64_t>(full.size());
+  parallel_for(0, n * Hk, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> rows(BS * D);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t t = full[r / Hk], h = r % Hk;
+      const int64_t block = slots[t] / BS, slot = stage_rows[t] / BS;
+      for (int64_t j = 0; j < BS; ++j) {
+        const int64_t at = ((slot * BS + j) * Hk + h) * D;
+        for (int64_t i = 0; i < D; ++i)
+          rows[j * D + i] = p.stage_dtype == TM_BF16 ? to_f(static_cast<const bf16*>(p.stage)[at + i])
+                                                     : static_cast<const float*>(p.stage)[at + i];
+      }
+      uint8_t* codes = static_cast<uint8_t*>(const_cast<void*>(p.codes)) + (block * BS * Hk + h) * (D / 2);
+      seal_int4k(rows.data(), D, BS, D, codes, Hk * (D / 2),
+                 const_cast<uint8_t*>(p.params) + (block * Hk + h) * (2 * D + 4));
+    }
+  });
+}
+
 }  // namespace tm
 
 using namespace tm;
 
 extern "C" void tm_kv_store(int format, const float* x, int64_t tokens, int64_t kv_heads,
                             int64_t head_dim, const float* rotation, const int64_t* slots,
+                            const int64_t* stage_rows, int64_t block_size,
                             const tm_kv_pages* pages) {
-  const int64_t D = head_dim, groups = D / kG;
+  const int64_t D = head_dim;
+  if (format == TM_KV_INT4)
+    return store_int4k(x, tokens, kv_heads, D, slots, stage_rows, block_size, *pages);
+  uint8_t* codes = static_cast<uint8_t*>(const_cast<void*>(pages->codes));
+  uint16_t* scale = const_cast<uint16_t*>(pages->scale);
   parallel_for(0, tokens * kv_heads, 8, [&](int64_t r0, int64_t r1) {
     float rot[kMaxKvHeadDim];
     for (int64_t r = r0; r < r1; ++r) {
       const float* src = x + r * D;
       const int64_t at = slots[r / kv_heads] * kv_heads + r % kv_heads;
       if (format == TM_KV_INT8) {
-        store_int8(src, D, static_cast<int8_t*>(const_cast<void*>(pages->codes)) + at * D,
-                   const_cast<uint16_t*>(pages->scale) + at);
-        continue;
-      }
-      if (format == TM_KV_FP8) {
-        store_fp8(src, D, static_cast<uint8_t*>(const_cast<void*>(pages->codes)) + at * D,
-                  const_cast<uint16_t*>(pages->scale) + at);
-        continue;
-      }
-      if (rotation) {
+        store_int8(src, D, reinterpret_cast<int8_t*>(codes) + at * D, scale + at);
+      } else if (format == TM_KV_FP8) {
+        store_fp8(src, D, codes + at * D, scale + at);
+      } else {  // TM_KV_INT4V
         std::copy(src, src + D, rot);
-        rotate_rows(rot, 1, D, rotation, false);
-        src = rot;
+        if (rotation) rotate_rows(rot, 1, D, rotation, false);
+        store_int4v(rot, D, codes + at * (D / 2), scale + at);
       }
-      store_int4(src, D, static_cast<uint8_t*>(const_cast<void*>(pages->codes)) + at * (D / 2),
-                 const_cast<uint16_t*>(pages->scale) + at * groups,
-                 const_cast<uint16_t*>(pages->zero) + at * groups);
     }
   });
 }

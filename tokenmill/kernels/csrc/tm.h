@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 8
+#define TM_ABI_VERSION 9
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -53,7 +53,8 @@ typedef struct {
 } tm_layer;
 
 /* One KV block pool of a decode step: its caches (num_blocks, block_size, kv_heads, head_dim)
- * per layer, each new token's slot, the block tables (batch, max_blocks) and sequence lengths. */
+ * per layer, each new token's slot, the block tables (batch, max_blocks) and sequence lengths;
+ * an int4 cache also each new token's stage row and each row's own block's stage slot. */
 typedef struct {
   void *k, *v;
   int64_t num_blocks;
@@ -61,6 +62,8 @@ typedef struct {
   const int64_t* tables;
   int64_t max_blocks;
   const int64_t* lens;
+  const int64_t* stage_rows;
+  const int64_t* stages;
 } tm_kv_pool;
 
 #define TM_ACT_SILU 0
@@ -68,7 +71,9 @@ typedef struct {
 
 /* What the fused decode step reads: the layers, the final norm and the rotary table; and how
  * its KV cache stores values: kv_format 0 = in the model's dtype, else TM_KV_INT8 / INT4 / FP8
- * with the caches' codes, their per-layer scales (and int4 minimums, and K/V rotation). */
+ * (K's format; int4's V is TM_KV_INT4V) with the caches' codes and, for every layer, their
+ * per-token scales (int4 K: none; its per-block params and its stage in the model's dtype),
+ * and int4's V rotation. */
 typedef struct {
   int32_t dtype;
   int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate;
@@ -79,8 +84,11 @@ typedef struct {
   const float* cos_sin; /* (2, max_positions, head_dim) float32 */
   int64_t max_positions;
   int32_t kv_format;
-  const uint16_t *k_scale, *k_zero, *v_scale, *v_zero;
-  const float* kv_rotation; /* (head_dim, head_dim) or NULL */
+  const uint16_t *k_scale, *v_scale;
+  const uint8_t* k_params;
+  void* k_stage;
+  int64_t stage_slots;
+  const float* v_rotation; /* (head_dim, head_dim) or NULL */
 } tm_decoder;
 
 TM_API int tm_abi_version(void);
@@ -133,32 +141,42 @@ TM_API void tm_prefill_attention(int dtype, const void* q, int64_t n_new, int64_
                                  int64_t block_size, int64_t kv_heads,
                                  const int64_t* block_table, int64_t num_computed,
                                  int64_t window, float scale, void* out);
-/* One layer's quantized paged K or V (layers/kv_quant.py): codes (blocks, block_size, kv_heads,
- * width) and fp16 scales (and int4's minimums) per token and head; see attention_quant.cpp. */
-enum { TM_KV_INT8 = 1, TM_KV_INT4 = 2, TM_KV_FP8 = 3 };
+/* One layer's quantized paged K or V (layers/kv_quant.py, kv_int4.py): codes (blocks,
+ * block_size, kv_heads, width) and an fp16 scale per token and head (int8, fp8, int4 V). int4 K
+ * has instead params per (block, head) (2 head_dim + 4 bytes: kv_pages.h) and the stage, the
+ * rows of blocks not yet full: (slots, block_size, kv_heads, head_dim) in stage_dtype. */
+enum { TM_KV_INT8 = 1, TM_KV_INT4 = 2, TM_KV_FP8 = 3, TM_KV_INT4V = 4 };
 typedef struct {
   int32_t format;
   const void* codes;
   const uint16_t* scale;
-  const uint16_t* zero; /* int4 only */
+  const uint8_t* params;
+  void* stage;
+  int32_t stage_dtype;
 } tm_kv_pages;
-/* quantize x (tokens, kv_heads, head_dim <= 256) float32 into the pages at slots (tokens,);
- * int4 rotates by `rotation` (head_dim, head_dim) first */
+/* write x (tokens, kv_heads, head_dim <= 256) float32 into the pages at slots (tokens,): int8,
+ * fp8 quantized; int4 V rotated by `rotation` (head_dim, head_dim), then quantized; int4 K into
+ * the stage at stage_rows (tokens,), then every block whose last row was written is quantized
+ * from its stage slot */
 TM_API void tm_kv_store(int format, const float* x, int64_t tokens, int64_t kv_heads,
                         int64_t head_dim, const float* rotation, const int64_t* slots,
-                        const tm_kv_pages* pages);
-/* prefill attention as tm_prefill_attention, on a quantized cache; q and out TM_F32 / TM_BF16 */
+                        const int64_t* stage_rows, int64_t block_size, const tm_kv_pages* pages);
+/* prefill attention as tm_prefill_attention, on a quantized cache; q and out TM_F32 / TM_BF16;
+ * int4: stage_table (as block_table) holds the stage slot of each block not yet full */
 TM_API void tm_prefill_attention_quant(int dtype, const void* q, int64_t n_new, int64_t heads,
                                        int64_t head_dim, const tm_kv_pages* k,
                                        const tm_kv_pages* v, int64_t block_size, int64_t kv_heads,
-                                       const int64_t* block_table, int64_t num_computed,
-                                       int64_t window, float scale, void* out);
-/* decode attention as tm_decode_attention, on a quantized cache; q and out float32 */
+                                       const int64_t* block_table, const int64_t* stage_table,
+                                       int64_t num_computed, int64_t window, float scale,
+                                       void* out);
+/* decode attention as tm_decode_attention, on a quantized cache; q and out float32 (int4: the
+ * output in V's rotated basis); int4: stages (batch,) the stage slot of each row's own block */
 TM_API void tm_decode_attention_quant(const float* q, const tm_kv_pages* k, const tm_kv_pages* v,
                                       int64_t block_size, int64_t kv_heads,
                                       const int64_t* block_tables, int64_t max_blocks,
-                                      const int64_t* seq_lens, int64_t batch, int64_t heads,
-                                      int64_t head_dim, int64_t window, float scale, float* out);
+                                      const int64_t* seq_lens, const int64_t* stages,
+                                      int64_t batch, int64_t heads, int64_t head_dim,
+                                      int64_t window, float scale, float* out);
 /* every decoder layer of a decode-only step: x (batch, hidden) holds the embeddings and
  * receives the final norm's output; caches (layers, blocks, block_size, kv_heads, head_dim) */
 TM_API void tm_decode_stack(const tm_decoder* model, void* x, int64_t batch,
