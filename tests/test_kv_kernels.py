@@ -11,6 +11,17 @@ from tests.conftest import paged_history, random_prompts
 from tests.test_kernels import close, greedy, pytestmark  # noqa: F401 (the same skips)
 from tokenmill.layers import ops
 
+# Decode attention scores int8 / int4 keys with the query rounded to int16 (2**14 levels: a score
+# moves by ~4e-4 for these unit-scale keys, against int4's own ~0.1) and sums int4 values with
+# weights rounded to int16 per chunk (2**15 levels): outputs within 1e-3 of the float reference
+# (measured up to 4.6e-4), not float32's 2e-5.
+INTEGER_TOL = 1e-3
+
+
+def close_integer(a, b):
+    scale = b.abs().max().item() + 1e-6
+    assert (a - b).abs().max().item() / scale < INTEGER_TOL
+
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])
 @pytest.mark.parametrize("stage_dtype", [torch.float32, torch.bfloat16])
@@ -66,9 +77,9 @@ def decode_context(cache, tables, lens):
 @pytest.mark.parametrize("seqs", [1, 2, 9])
 def test_decode_attention_on_quantized_pages(kops, fmt, window, threads, seqs):
     """The kernel reading int8 / fp8 / int4 pages in place (int4: each row's own block from
-    the stage, the output rotated back) against the plain path: gather, dequantize, SDPA. One
-    sequence of 1,000 positions is split between tasks (partial softmax sums combined); nine
-    take every KV head per task."""
+    the stage, the output rotated back; integer dot products, INTEGER_TOL) against the plain
+    path: gather, dequantize, SDPA. One sequence of 1,000 positions is split between tasks
+    (partial softmax sums combined); nine take every KV head per task."""
     from tokenmill.layers.attention import PagedAttention
     from tokenmill.layers.kv_cache import KVCache
 
@@ -86,7 +97,7 @@ def test_decode_attention_on_quantized_pages(kops, fmt, window, threads, seqs):
     attn.ops = kops
     fast = attn._decode(q, ctx)
     attn.ops = ops.TorchOps()
-    close(fast, attn._decode(q, ctx), torch.float32)
+    close_integer(fast, attn._decode(q, ctx))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])

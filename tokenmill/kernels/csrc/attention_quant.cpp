@@ -3,12 +3,17 @@
 // dequantized a few at a time into an L1 scratch that every query head of the KV head reads.
 // Tasks hold all KV heads of a sequence when there are many sequences (one contiguous run per
 // cache row), else one KV head; when even those are fewer than 4 per thread, each sequence's
-// positions are split between tasks (partial softmax sums, combined at the end). int4 K: each
-// block's channel params are decoded once per KV head, the query's own block comes from the
-// stage.
+// positions are split between tasks (partial softmax sums, combined at the end).
+//
+// int8 and int4 keys are scored with integer dot products: the query (int4: times each
+// channel's step, per block) is rounded to int16 on its own scale (2**15 levels, so the scores
+// keep ~1e-5 of their size), the codes are widened to int16, and the sums come back to float
+// times the row's scale (int8) plus the block's q . minimum (int4). A query's own int4 block
+// comes from the stage, in float.
 #include "attention_common.h"
 #include "kv_pages.h"
 #include "tm.h"
+#include "values_int4.h"
 #include "vec.h"
 
 namespace tm {
@@ -17,6 +22,73 @@ struct Part {  // one task's share: KV heads [h0, h0 + nh) of sequence b, positi
   int64_t b, h0, nh, p0, p1;
   int64_t own, stage;  // int4: the block index of the query's position and its stage slot
 };
+
+// q16 = round(q * A), A = kQueryMax / max |q|; returns 1 / A (0 for a zero query). 2**14
+// levels: an int4 product (code x step code < 2**12) times it summed over the head_dim / kLanes
+// products of a lane stays in int32 up to head_dim 256.
+constexpr float kQueryMax = 16383.f;
+
+inline float quantize_query(const float* q, int64_t D, int16_t* q16) {
+  vec mx = vzero();
+  for (int64_t i = 0; i < D; i += kLanes) mx = vmax(mx, vmax(vload(q + i), vsub(vzero(), vload(q + i))));
+  const float top = vhmax(mx);
+  if (!(top > 0.f)) {
+    std::fill(q16, q16 + D, int16_t{0});
+    return 0.f;
+  }
+  const vec a = vset1(kQueryMax / top);
+  for (int64_t i = 0; i < D; i += kLanes) vstore_i16(q16 + i, vmul(vload(q + i), a));
+  return top / kQueryMax;
+}
+
+// `rows` rows of K codes of KV head h from `slot` -> int16 (rows x D): int8 as they are, int4
+// times each channel's step code sc
+template <int F>
+void widen_codes(const QuantPages& K, int64_t slot, int64_t rows, int64_t h, const int16_t* sc,
+                 int16_t* dst) {
+  const int64_t D = K.D;
+  static_assert(sizeof(i16x) == 2 * kLanes * sizeof(int16_t), "i16x holds 2 x kLanes int16");
+  auto put = [](int16_t* at, i16x v) { std::memcpy(at, &v, sizeof(v)); };
+  for (int64_t j = 0; j < rows; ++j, dst += D) {
+    const uint8_t* c = K.codes_at((slot + j) * K.Hk + h);
+    if constexpr (F == TM_KV_INT4) {
+      for (int64_t i = 0; i < D / 2; i += 2 * kLanes) {
+        put(dst + i, vmul16(vcodes_lo4(c + i), vload_i16(sc + i)));
+        put(dst + D / 2 + i, vmul16(vcodes_hi4(c + i), vload_i16(sc + D / 2 + i)));
+      }
+    } else {
+      for (int64_t i = 0; i < D; i += 2 * kLanes) put(dst + i, vcodes_i8(reinterpret_cast<const int8_t*>(c + i)));
+    }
+  }
+}
+
+// sums[j] = q16 . codes[j] for `rows` rows of D int16, eight at a time
+inline void score_i16(const int16_t* q16, const int16_t* codes, int64_t rows, int64_t D,
+                      float* sums) {
+  int64_t j = 0;
+  for (; j + 8 <= rows; j += 8) {
+    ivec a[8];
+    for (int r = 0; r < 8; ++r) a[r] = izero();
+    for (int64_t i = 0; i < D; i += 2 * kLanes) {
+      const i16x qv = vload_i16(q16 + i);
+      for (int r = 0; r < 8; ++r) a[r] = vdot16(a[r], vload_i16(codes + (j + r) * D + i), qv);
+    }
+    vec f[8];
+    for (int r = 0; r < 8; ++r) f[r] = vcvt_i32(a[r]);
+    vsum8(f, sums + j);
+  }
+  for (; j < rows; ++j) {
+    ivec a = izero();
+    for (int64_t i = 0; i < D; i += 2 * kLanes) a = vdot16(a, vload_i16(codes + j * D + i), vload_i16(q16 + i));
+    sums[j] = vsum(vcvt_i32(a));
+  }
+}
+
+// Whether a head_dim takes the integer path (whole int16 vectors of codes per row)
+template <int F>
+bool integer_keys(int64_t D) {
+  return (F == TM_KV_INT4 && D % (4 * kLanes) == 0) || (F == TM_KV_INT8 && D % (2 * kLanes) == 0);
+}
 
 // Unnormalized attention of the task's query heads (group per KV head, qf pre-scaled) over its
 // positions: m[g] the largest score, l[g] the sum of exp(score - m), acc[g] the weighted values.
@@ -41,11 +113,38 @@ void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, cons
       fn(p, rows, slot(p));
     }
   };
-  float lo[256], st[256];
+  float lo[256], st[256], sums[kRows], bias[1], mu = 0.f, su = 0.f;
+  alignas(64) int16_t codes[kRows * 256], mc[256], sc[256];
+  const bool ints = integer_keys<F>(D);
+  std::vector<int16_t> q16;  // the integer path: each query head's int16 query
+  std::vector<float> unit(nq);
+  if (ints) {
+    q16.resize(nq * D);
+    for (int64_t g = 0; g < nq; ++g) unit[g] = quantize_query(qf + g * Dp, D, q16.data() + g * D);
+  }
   walk(K, [&](int64_t p, int64_t rows, int64_t s0) {
     const int64_t at = p - t.p0;
     for (int64_t hh = 0; hh < t.nh; ++hh) {
       const int64_t h = t.h0 + hh;
+      if constexpr (F == TM_KV_INT4 || F == TM_KV_INT8) {
+        if (ints && (F == TM_KV_INT8 || p / BS != t.own)) {
+          if constexpr (F == TM_KV_INT4) K.block_codes(s0 / BS, h, mc, sc, &mu, &su);
+          widen_codes<F>(K, s0, rows, h, sc, codes);
+          for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
+            float* out = scores + g * n + at;
+            const int16_t* qg = q16.data() + g * D;
+            score_i16(qg, codes, rows, D, sums);
+            if constexpr (F == TM_KV_INT4) {  // su q . (code sc) + mu q . mc
+              score_i16(qg, mc, 1, D, bias);
+              for (int64_t j = 0; j < rows; ++j) out[j] = (sums[j] * su + bias[0] * mu) * unit[g];
+            } else {
+              for (int64_t j = 0; j < rows; ++j)
+                out[j] = sums[j] * unit[g] * vhalf(K.scale[(s0 + j) * K.Hk + h]);
+            }
+          }
+          continue;
+        }
+      }
       if constexpr (F == TM_KV_INT4) {
         if (p / BS == t.own) {
           for (int64_t j = 0; j < rows; ++j) K.stage_row(t.stage, p % BS + j, h, buf + j * Dp);
@@ -62,6 +161,20 @@ void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, cons
   });
   for (int64_t g = 0; g < nq; ++g) l[g] = exp_shifted(scores + g * n, n, m + g);  // unnormalized
   std::fill(acc, acc + nq * Dp, 0.f);
+#ifdef TM_VALUES_INT4
+  if constexpr (FV == TM_KV_INT4V) {  // integer dot products (values_int4.h)
+    if (D % 64 == 0 && D <= 256) {
+      std::vector<float> perm(nq * D, 0.f), wsum(nq, 0.f);
+      walk(V, [&](int64_t p, int64_t rows, int64_t s0) {
+        for (int64_t hh = 0; hh < t.nh; ++hh)
+          values_int4(V, s0, rows, t.h0 + hh, scores + hh * group * n + (p - t.p0), n, group,
+                      perm.data() + hh * group * D, wsum.data() + hh * group);
+      });
+      for (int64_t g = 0; g < nq; ++g) unpermute_int4(perm.data() + g * D, D, wsum[g], acc + g * Dp);
+      return;
+    }
+  }
+#endif
   walk(V, [&](int64_t p, int64_t rows, int64_t s0) {
     const int64_t at = p - t.p0;
     for (int64_t hh = 0; hh < t.nh; ++hh) {

@@ -68,6 +68,20 @@ struct QuantPages {
     }
   }
 
+  // int4 K: a quantized block's params for head h as int16 (minimum codes mc, step codes sc)
+  // and their fp16 units (mu, su)
+  void block_codes(int64_t block, int64_t h, int16_t* mc, int16_t* sc, float* mu, float* su) const {
+    const uint8_t* p = params + (block * Hk + h) * param_bytes();
+    for (int64_t i = 0; i < D; i += 2 * kLanes) {
+      const i16x m = vcodes_i8(reinterpret_cast<const int8_t*>(p + i)), c = vcodes_u8(p + D + i);
+      std::memcpy(mc + i, &m, sizeof(m));
+      std::memcpy(sc + i, &c, sizeof(c));
+    }
+    uint16_t units[2];
+    std::memcpy(units, p + 2 * D, 4);
+    *mu = half_to_f(units[0]), *su = half_to_f(units[1]);
+  }
+
   // int4 K: a quantized row, with its block's params
   void row_k4(int64_t slot, int64_t h, const float* lo, const float* st, float* dst) const {
     const uint8_t* q = codes_at(slot * Hk + h);

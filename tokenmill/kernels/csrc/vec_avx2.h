@@ -106,6 +106,33 @@ inline vec vload_fp8(const uint8_t* p) {
   return _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(f), sign));
 }
 
+// Integer dot products (see vec_avx512.h): 16 int16, 8 int32 sums.
+using i16x = __m256i;
+using ivec = __m256i;
+inline ivec izero() { return _mm256_setzero_si256(); }
+inline i16x vload_i16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline i16x vcodes_lo4(const uint8_t* p) {
+  return _mm256_and_si256(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+                          _mm256_set1_epi16(0xF));
+}
+inline i16x vcodes_hi4(const uint8_t* p) {
+  return _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 4);
+}
+inline i16x vcodes_i8(const int8_t* p) {
+  return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline i16x vcodes_u8(const uint8_t* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline i16x vmul16(i16x a, i16x b) { return _mm256_mullo_epi16(a, b); }  // low 16 bits
+inline ivec vdot16(ivec acc, i16x a, i16x b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline vec vcvt_i32(ivec a) { return _mm256_cvtepi32_ps(a); }
+inline void vstore_i16(int16_t* p, vec v) {  // rounded to nearest, saturated
+  __m256i i = _mm256_cvtps_epi32(v);
+  __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+}
+
 // Prefetches as asm statements: GCC deletes a loop of _mm_prefetch calls and nothing else.
 inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
 inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }

@@ -114,6 +114,38 @@ inline vec vload_fp8(const uint8_t* p) {
   return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(f), sign));
 }
 
+// Integer dot products (attention on quantized pages): i16x holds 2 x kLanes int16, ivec kLanes
+// int32 sums; vdot16 adds the products a[i] * b[i] into acc (VPDPWSSD where there is VNNI).
+using i16x = __m512i;
+using ivec = __m512i;
+inline ivec izero() { return _mm512_setzero_si512(); }
+inline i16x vload_i16(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline i16x vcodes_lo4(const uint8_t* p) {  // 2 x kLanes bytes -> their low nibbles
+  return _mm512_and_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+                          _mm512_set1_epi16(0xF));
+}
+inline i16x vcodes_hi4(const uint8_t* p) {
+  return _mm512_srli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 4);
+}
+inline i16x vcodes_i8(const int8_t* p) {
+  return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline i16x vcodes_u8(const uint8_t* p) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline i16x vmul16(i16x a, i16x b) { return _mm512_mullo_epi16(a, b); }  // low 16 bits
+inline ivec vdot16(ivec acc, i16x a, i16x b) {
+#ifdef TM_ISA_AVX512_BF16  // that build has AVX512-VNNI too
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+inline vec vcvt_i32(ivec a) { return _mm512_cvtepi32_ps(a); }
+inline void vstore_i16(int16_t* p, vec v) {  // rounded to nearest, saturated
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(v)));
+}
+
 inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
 inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
 

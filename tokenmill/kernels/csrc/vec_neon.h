@@ -119,6 +119,40 @@ inline vec vload_fp8(const uint8_t* p) {
   return {fp8x4(vmovl_u16(vget_low_u16(w))), fp8x4(vmovl_u16(vget_high_u16(w)))};
 }
 
+// Integer dot products (see vec_avx512.h): 16 int16 in two q registers, 8 int32 sums.
+struct i16x {
+  int16x8_t a, b;
+};
+struct ivec {
+  int32x4_t a, b;
+};
+inline ivec izero() { return {vdupq_n_s32(0), vdupq_n_s32(0)}; }
+inline i16x vload_i16(const int16_t* p) { return {vld1q_s16(p), vld1q_s16(p + 8)}; }
+inline i16x u8x16_to_i16(uint8x16_t b) {
+  return {vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(b))),
+          vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(b)))};
+}
+inline i16x vcodes_lo4(const uint8_t* p) { return u8x16_to_i16(vandq_u8(vld1q_u8(p), vdupq_n_u8(0xF))); }
+inline i16x vcodes_hi4(const uint8_t* p) { return u8x16_to_i16(vshrq_n_u8(vld1q_u8(p), 4)); }
+inline i16x vcodes_i8(const int8_t* p) {
+  int8x16_t b = vld1q_s8(p);
+  return {vmovl_s8(vget_low_s8(b)), vmovl_s8(vget_high_s8(b))};
+}
+inline i16x vcodes_u8(const uint8_t* p) { return u8x16_to_i16(vld1q_u8(p)); }
+inline i16x vmul16(i16x x, i16x y) { return {vmulq_s16(x.a, y.a), vmulq_s16(x.b, y.b)}; }
+inline ivec vdot16(ivec acc, i16x x, i16x y) {
+  acc.a = vmlal_s16(acc.a, vget_low_s16(x.a), vget_low_s16(y.a));
+  acc.b = vmlal_s16(acc.b, vget_high_s16(x.a), vget_high_s16(y.a));
+  acc.a = vmlal_s16(acc.a, vget_low_s16(x.b), vget_low_s16(y.b));
+  acc.b = vmlal_s16(acc.b, vget_high_s16(x.b), vget_high_s16(y.b));
+  return acc;
+}
+inline vec vcvt_i32(ivec x) { return {vcvtq_f32_s32(x.a), vcvtq_f32_s32(x.b)}; }
+inline void vstore_i16(int16_t* p, vec v) {  // rounded to nearest, saturated
+  vst1_s16(p, vqmovn_s32(vcvtnq_s32_f32(v.a)));
+  vst1_s16(p + 4, vqmovn_s32(vcvtnq_s32_f32(v.b)));
+}
+
 inline void prefetch_l1(const void* p) { __builtin_prefetch(p, 0, 3); }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 

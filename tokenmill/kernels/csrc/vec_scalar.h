@@ -100,6 +100,58 @@ inline vec vload_fp8(const uint8_t* p) {
   return r;
 }
 
+// Integer dot products (see vec_avx512.h): 2 x kLanes int16, kLanes int32 sums.
+struct i16x {
+  int16_t x[2 * kLanes];
+};
+struct ivec {
+  int32_t x[kLanes];
+};
+inline ivec izero() { return {}; }
+inline i16x vload_i16(const int16_t* p) {
+  i16x r;
+  std::memcpy(r.x, p, sizeof(r.x));
+  return r;
+}
+inline i16x vcodes_lo4(const uint8_t* p) {
+  i16x r;
+  for (int i = 0; i < 2 * kLanes; ++i) r.x[i] = static_cast<int16_t>(p[i] & 0xF);
+  return r;
+}
+inline i16x vcodes_hi4(const uint8_t* p) {
+  i16x r;
+  for (int i = 0; i < 2 * kLanes; ++i) r.x[i] = static_cast<int16_t>(p[i] >> 4);
+  return r;
+}
+inline i16x vcodes_i8(const int8_t* p) {
+  i16x r;
+  for (int i = 0; i < 2 * kLanes; ++i) r.x[i] = p[i];
+  return r;
+}
+inline i16x vcodes_u8(const uint8_t* p) {
+  i16x r;
+  for (int i = 0; i < 2 * kLanes; ++i) r.x[i] = p[i];
+  return r;
+}
+inline i16x vmul16(i16x a, i16x b) {  // products that fit int16
+  for (int i = 0; i < 2 * kLanes; ++i) a.x[i] = static_cast<int16_t>(a.x[i] * b.x[i]);
+  return a;
+}
+inline ivec vdot16(ivec acc, i16x a, i16x b) {
+  for (int i = 0; i < kLanes; ++i)
+    acc.x[i] += int32_t{a.x[2 * i]} * b.x[2 * i] + int32_t{a.x[2 * i + 1]} * b.x[2 * i + 1];
+  return acc;
+}
+inline vec vcvt_i32(ivec a) {
+  vec r;
+  for (int i = 0; i < kLanes; ++i) r.x[i] = static_cast<float>(a.x[i]);
+  return r;
+}
+inline void vstore_i16(int16_t* p, vec v) {  // rounded to nearest (even), saturated
+  for (int i = 0; i < kLanes; ++i)
+    p[i] = static_cast<int16_t>(std::min(32767.f, std::max(-32768.f, std::nearbyint(v.x[i]))));
+}
+
 inline void prefetch_l1(const void*) {}
 inline void prefetch_l2(const void*) {}
 
