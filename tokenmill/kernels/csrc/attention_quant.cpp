@@ -13,7 +13,7 @@
 #include "attention_common.h"
 #include "kv_pages.h"
 #include "tm.h"
-#include "values_int4.h"
+#include "values_int.h"
 #include "vec.h"
 
 namespace tm {
@@ -53,8 +53,10 @@ void widen_codes(const QuantPages& K, int64_t slot, int64_t rows, int64_t h, con
     const uint8_t* c = K.codes_at((slot + j) * K.Hk + h);
     if constexpr (F == TM_KV_INT4) {
       for (int64_t i = 0; i < D / 2; i += 2 * kLanes) {
-        put(dst + i, vmul16(vcodes_lo4(c + i), vload_i16(sc + i)));
-        put(dst + D / 2 + i, vmul16(vcodes_hi4(c + i), vload_i16(sc + D / 2 + i)));
+        i16x lo, hi;
+        vcodes_4(c + i, lo, hi);
+        put(dst + i, vmul16(lo, vload_i16(sc + i)));
+        put(dst + D / 2 + i, vmul16(hi, vload_i16(sc + D / 2 + i)));
       }
     } else {
       for (int64_t i = 0; i < D; i += 2 * kLanes) put(dst + i, vcodes_i8(reinterpret_cast<const int8_t*>(c + i)));
@@ -113,7 +115,7 @@ void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, cons
       fn(p, rows, slot(p));
     }
   };
-  float lo[256], st[256], sums[kRows], bias[1], mu = 0.f, su = 0.f;
+  float lo[256], st[256], sums[kRows], rs[kRows], bias[1], mu = 0.f, su = 0.f;
   alignas(64) int16_t codes[kRows * 256], mc[256], sc[256];
   const bool ints = integer_keys<F>(D);
   std::vector<int16_t> q16;  // the integer path: each query head's int16 query
@@ -130,16 +132,25 @@ void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, cons
         if (ints && (F == TM_KV_INT8 || p / BS != t.own)) {
           if constexpr (F == TM_KV_INT4) K.block_codes(s0 / BS, h, mc, sc, &mu, &su);
           widen_codes<F>(K, s0, rows, h, sc, codes);
+          if constexpr (F == TM_KV_INT8)  // each row's scale
+            for (int64_t j = 0; j < rows; ++j) rs[j] = vhalf(K.scale[(s0 + j) * K.Hk + h]);
           for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
-            float* out = scores + g * n + at;
             const int16_t* qg = q16.data() + g * D;
             score_i16(qg, codes, rows, D, sums);
-            if constexpr (F == TM_KV_INT4) {  // su q . (code sc) + mu q . mc
+            vec mul = vset1(unit[g]), add = vzero();
+            if constexpr (F == TM_KV_INT4) {  // (su q . (code sc) + mu q . mc) / A
               score_i16(qg, mc, 1, D, bias);
-              for (int64_t j = 0; j < rows; ++j) out[j] = (sums[j] * su + bias[0] * mu) * unit[g];
-            } else {
-              for (int64_t j = 0; j < rows; ++j)
-                out[j] = sums[j] * unit[g] * vhalf(K.scale[(s0 + j) * K.Hk + h]);
+              mul = vset1(su * unit[g]), add = vset1(bias[0] * mu * unit[g]);
+            }
+            float* out = scores + g * n + at;
+            int64_t j = 0;
+            for (; j + kLanes <= rows; j += kLanes) {
+              vec x = vfma(vload(sums + j), mul, add);
+              vstore(out + j, F == TM_KV_INT8 ? vmul(x, vload(rs + j)) : x);
+            }
+            for (; j < rows; ++j) {
+              const float x = F == TM_KV_INT4 ? (sums[j] * su + bias[0] * mu) * unit[g] : sums[j] * unit[g];
+              out[j] = F == TM_KV_INT8 ? x * rs[j] : x;
             }
           }
           continue;
@@ -161,16 +172,17 @@ void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, cons
   });
   for (int64_t g = 0; g < nq; ++g) l[g] = exp_shifted(scores + g * n, n, m + g);  // unnormalized
   std::fill(acc, acc + nq * Dp, 0.f);
-#ifdef TM_VALUES_INT4
-  if constexpr (FV == TM_KV_INT4V) {  // integer dot products (values_int4.h)
+#ifdef TM_VALUES_INT
+  if constexpr (FV == TM_KV_INT4V || FV == TM_KV_INT8) {  // integer dot products (values_int.h)
     if (D % 64 == 0 && D <= 256) {
       std::vector<float> perm(nq * D, 0.f), wsum(nq, 0.f);
       walk(V, [&](int64_t p, int64_t rows, int64_t s0) {
         for (int64_t hh = 0; hh < t.nh; ++hh)
-          values_int4(V, s0, rows, t.h0 + hh, scores + hh * group * n + (p - t.p0), n, group,
-                      perm.data() + hh * group * D, wsum.data() + hh * group);
+          values_int<FV == TM_KV_INT4V>(V, s0, rows, t.h0 + hh, scores + hh * group * n + (p - t.p0),
+                                         n, group, perm.data() + hh * group * D, wsum.data() + hh * group);
       });
-      for (int64_t g = 0; g < nq; ++g) unpermute_int4(perm.data() + g * D, D, wsum[g], acc + g * Dp);
+      for (int64_t g = 0; g < nq; ++g)
+        unpermute_values(FV == TM_KV_INT4V, perm.data() + g * D, D, wsum[g], acc + g * Dp);
       return;
     }
   }

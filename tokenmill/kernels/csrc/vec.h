@@ -11,8 +11,8 @@
 //   vload_lo4 vload_hi4 vload_i8  kLanes quantized codes (nibbles, int8) as floats; vhalf
 //   vload_fp8                   kLanes fp8 e4m3 codes as floats (exact)
 //   i16x ivec izero vload_i16   integer dot products: 2 x kLanes int16 / kLanes int32 sums;
-//   vcodes_lo4 vcodes_hi4       2 x kLanes code bytes as int16 (low / high nibbles, int8,
-//   vcodes_i8 vcodes_u8         uint8); vmul16 lane products (that fit int16);
+//   vcodes_4 vcodes_i8          2 x kLanes code bytes as int16 (low and high nibbles, int8,
+//   vcodes_u8 vmul16            uint8); lane products (that fit int16);
 //   vmul16 vdot16 vcvt_i32      acc += a . b (lanes hold partial sums); to float32;
 //   vstore_i16                  kLanes floats rounded and saturated to int16
 //   prefetch_l1 prefetch_l2     software prefetch (none in the portable build)

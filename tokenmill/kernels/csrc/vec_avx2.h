@@ -111,12 +111,10 @@ using i16x = __m256i;
 using ivec = __m256i;
 inline ivec izero() { return _mm256_setzero_si256(); }
 inline i16x vload_i16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline i16x vcodes_lo4(const uint8_t* p) {
-  return _mm256_and_si256(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-                          _mm256_set1_epi16(0xF));
-}
-inline i16x vcodes_hi4(const uint8_t* p) {
-  return _mm256_srli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 4);
+inline void vcodes_4(const uint8_t* p, i16x& lo, i16x& hi) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_and_si256(b, _mm256_set1_epi16(0xF));
+  hi = _mm256_srli_epi16(b, 4);
 }
 inline i16x vcodes_i8(const int8_t* p) {
   return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

@@ -120,12 +120,10 @@ using i16x = __m512i;
 using ivec = __m512i;
 inline ivec izero() { return _mm512_setzero_si512(); }
 inline i16x vload_i16(const int16_t* p) { return _mm512_loadu_si512(p); }
-inline i16x vcodes_lo4(const uint8_t* p) {  // 2 x kLanes bytes -> their low nibbles
-  return _mm512_and_si512(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
-                          _mm512_set1_epi16(0xF));
-}
-inline i16x vcodes_hi4(const uint8_t* p) {
-  return _mm512_srli_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 4);
+inline void vcodes_4(const uint8_t* p, i16x& lo, i16x& hi) {  // 2 x kLanes bytes -> nibbles
+  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  lo = _mm512_and_si512(b, _mm512_set1_epi16(0xF));
+  hi = _mm512_srli_epi16(b, 4);
 }
 inline i16x vcodes_i8(const int8_t* p) {
   return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));

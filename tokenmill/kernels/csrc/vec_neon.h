@@ -132,8 +132,11 @@ inline i16x u8x16_to_i16(uint8x16_t b) {
   return {vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(b))),
           vreinterpretq_s16_u16(vmovl_u8(vget_high_u8(b)))};
 }
-inline i16x vcodes_lo4(const uint8_t* p) { return u8x16_to_i16(vandq_u8(vld1q_u8(p), vdupq_n_u8(0xF))); }
-inline i16x vcodes_hi4(const uint8_t* p) { return u8x16_to_i16(vshrq_n_u8(vld1q_u8(p), 4)); }
+inline void vcodes_4(const uint8_t* p, i16x& lo, i16x& hi) {
+  const uint8x16_t b = vld1q_u8(p);
+  lo = u8x16_to_i16(vandq_u8(b, vdupq_n_u8(0xF)));
+  hi = u8x16_to_i16(vshrq_n_u8(b, 4));
+}
 inline i16x vcodes_i8(const int8_t* p) {
   int8x16_t b = vld1q_s8(p);
   return {vmovl_s8(vget_low_s8(b)), vmovl_s8(vget_high_s8(b))};

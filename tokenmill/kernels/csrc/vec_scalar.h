@@ -113,15 +113,8 @@ inline i16x vload_i16(const int16_t* p) {
   std::memcpy(r.x, p, sizeof(r.x));
   return r;
 }
-inline i16x vcodes_lo4(const uint8_t* p) {
-  i16x r;
-  for (int i = 0; i < 2 * kLanes; ++i) r.x[i] = static_cast<int16_t>(p[i] & 0xF);
-  return r;
-}
-inline i16x vcodes_hi4(const uint8_t* p) {
-  i16x r;
-  for (int i = 0; i < 2 * kLanes; ++i) r.x[i] = static_cast<int16_t>(p[i] >> 4);
-  return r;
+inline void vcodes_4(const uint8_t* p, i16x& lo, i16x& hi) {
+  for (int i = 0; i < 2 * kLanes; ++i) lo.x[i] = static_cast<int16_t>(p[i] & 0xF), hi.x[i] = static_cast<int16_t>(p[i] >> 4);
 }
 inline i16x vcodes_i8(const int8_t* p) {
   i16x r;
