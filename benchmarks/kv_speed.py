@@ -1,7 +1,8 @@
 """Decode speed by KV cache dtype: a step of 16 sequences with 2,048 tokens of context each,
 and one sequence at ~8K tokens (8,100: the model's limit is 8,192), default model, same run;
-only steps after every prompt is in are timed, the dtypes' engines stepping in turn. Quantized caches are written and read in
-place by the kernels (kernels/csrc/kv_store.cpp, attention_quant.cpp). Also prefill over a
+only steps after every prompt is in are timed, the dtypes' engines stepping in turn. Quantized
+caches are written and read in place by the kernels (kernels/csrc/kv_store.cpp,
+attention_quant.cpp). Also prefill over a
 long quantized history: 512 new tokens after a 4,096-token prefix-cache hit, with the kernel
 that reads the pages a tile at a time (attention_prefill.cpp) and with the plain path it
 replaced (gather the history, dequantize it, SDPA). Prints a table and ends with one JSON
