@@ -63,10 +63,12 @@ def test_the_default_mode_is_not_batch_invariant(model_paths):
     assert any(results[name] != results["alone"] for name in results)
 
 
-def test_deterministic_mode_needs_the_kernels_and_a_model_dtype_cache(model_paths):
+def test_deterministic_mode_needs_the_kernels_and_a_cache_they_read(model_paths):
     with pytest.raises(ValueError, match="needs tokenmill's C.. kernels"):
         LLM(model_paths["llama"], deterministic=True, use_kernels=False)
     with pytest.raises(ValueError, match="kv_cache_dtype 'auto'"):
+        LLM(model_paths["llama"], deterministic=True, kv_cache_dtype="float32")
+    with pytest.raises(ValueError, match="head_dim 16"):  # the quantized-page kernels: 32k
         LLM(model_paths["llama"], deterministic=True, kv_cache_dtype="int8")
 
 

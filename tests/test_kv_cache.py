@@ -94,13 +94,15 @@ def test_budget_holds_more_tokens_when_quantized(wide_heads):
     path, _ = wide_heads
     plans = {d: LLM(str(path), dtype="float32", kv_cache_dtype=d, kv_cache_memory=2**22)
              .engine.kv_plan for d in ("bfloat16", "int8", "int4")}
-    blocks = {d: p.num_blocks for d, p in plans.items()}
-    assert 1.9 < blocks["int8"] / blocks["bfloat16"] < 2.0  # 256 vs 132 bytes per head
-    # 256 vs 74.25 bytes per head (3.45x) on what the stage leaves of the budget
+    tokens = {d: p.num_tokens for d, p in plans.items()}
+    assert 1.9 < tokens["int8"] / tokens["bfloat16"] < 2.0  # 256 vs 132 bytes per head
+    # 256 vs 70.125 bytes per head (3.65x: int4's blocks are 32 tokens) on what the stage
+    # leaves of the budget (a block's rows in float32, this model's dtype)
     stage = plans["int4"].groups[0]
-    assert plans["int4"].nbytes <= 2**22 and stage.stage_slots >= 2
+    assert plans["int4"].block_size == 32 and plans["int4"].nbytes <= 2**22
+    assert stage.stage_slots >= 2 and stage.stage_bytes == 2 * 32 * 2 * 64 * 4
     left = 1 - stage.stage_slots * stage.stage_bytes / 2**22
-    assert 3.4 * left < blocks["int4"] / blocks["bfloat16"] < 3.45 * left
+    assert 3.6 * left < tokens["int4"] / tokens["bfloat16"] < 3.66 * left
 
 
 def greedy_ids(llm, prompts, **kw):
@@ -219,8 +221,9 @@ def test_kv_memory_llama2_70b_by_hand():
     assert rows["bfloat16"]["bytes_per_token"] == 2 * 80 * 8 * 128 * 2 == 327_680
     assert rows["bfloat16"]["mha_bytes_per_token"] == 2 * 80 * 64 * 128 * 2
     assert rows["int8"]["bytes_per_token"] == 2 * 80 * 8 * (128 + 2)  # + one fp16 scale per head
-    # K: 4 bits + per 16-token block 2 bytes a channel + 4; V: 4 bits + an fp16 scale
-    assert rows["int4"]["bytes_per_token"] == 80 * 8 * (64 + (2 * 128 + 4) / 16 + 64 + 2)
+    # K: 4 bits + per 32-token block (int4's) 2 bytes a channel + 4; V: 4 bits + fp16 scale
+    assert rows["int4"]["block_size"] == 32
+    assert rows["int4"]["bytes_per_token"] == 80 * 8 * (64 + (2 * 128 + 4) / 32 + 64 + 2)
     assert rows["bfloat16"]["per_context_bytes"] == 4096 * 327_680  # 1.25 GiB
     assert rows["bfloat16"]["per_batch_bytes"] == 8 * 4096 * 327_680
     assert rows["bfloat16"]["max_sequences"] == 80 * 2**30 // (4096 * 327_680) == 64
@@ -242,7 +245,8 @@ def test_kv_memory_equals_engine_allocation(wide_heads, tmp_path, kv_dtype):
     cache, bm = llm.engine.runner.kv_cache, llm.engine.block_manager
     assert row["bytes_per_token"] == cache.bytes_per_token
     assert row["tokens_in_budget"] * row["bytes_per_token"] == cache.nbytes
-    assert row["max_sequences"] == bm.num_blocks // 7  # a 100-token context fills 7 blocks
+    per_context = -(-context // bm.block_size)  # blocks a 100-token context fills: 7 (int4: 4)
+    assert row["max_sequences"] == bm.num_blocks // per_context
     cli = subprocess.run([sys.executable, "-m", "tokenmill", "kv-memory", str(config_only),
                           "--json", "--memory", "3MiB", "--context", "100",
                           "--model-dtype", "float32"],

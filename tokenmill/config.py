@@ -37,7 +37,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 32
     max_num_batched_tokens: int | None = None
-    block_size: int = 16
+    block_size: int | None = None  # tokens per KV block; None: the KV format's (16; int4 32)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     kv_cache_memory: int | None = None
@@ -93,7 +93,7 @@ class EngineConfig:
         _positive("max_model_len", self.max_model_len)
         _positive("max_num_seqs", self.max_num_seqs, allow_none=False)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive("block_size", self.block_size, allow_none=False)
+        _positive("block_size", self.block_size)
         _positive("kv_cache_memory", self.kv_cache_memory)
         _positive("num_threads", self.num_threads)
         if self.nnodes > 1 and self.master_port is None:
@@ -102,11 +102,12 @@ class EngineConfig:
 
         ParallelConfig(self.tensor_parallel_size, self.nnodes, self.node_rank,
                        self.master_addr, self.master_port or 1)  # raises on bad values
-        if self.block_size > 1024:
+        if self.block_size is not None and self.block_size > 1024:
             raise ValueError(f"block_size must be <= 1024, got {self.block_size}")
-        if self.deterministic and self.kv_cache_dtype != "auto":
+        if self.deterministic and self.kv_cache_dtype in ("float32", "bfloat16", "float16"):
             raise ValueError("deterministic mode keeps the KV cache in the model's dtype "
-                             f"(kv_cache_dtype 'auto'), got {self.kv_cache_dtype!r}")
+                             f"(kv_cache_dtype 'auto') or quantizes it (int8, fp8_e4m3, int4), "
+                             f"got {self.kv_cache_dtype!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens is not None and (
             self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len
         ):

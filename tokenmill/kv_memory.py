@@ -35,12 +35,13 @@ class Shape:
             return latent_bytes_per_token(layers, self.latent_dim, dtype)
         return kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, dtype, block_size)
 
-    def mha_bytes_per_token(self, dtype) -> int:
+    def mha_bytes_per_token(self, dtype, block_size: int = 16) -> int | float:
         """Per-head K and V for every attention head (for MLA: the expanded K and V)."""
         if self.latent_dim:
             return latent_bytes_per_token(self.num_layers, self.num_heads * self.expanded_dims,
                                           dtype)
-        return kv_bytes_per_token(self.num_layers, self.num_heads, self.head_dim, dtype)
+        return kv_bytes_per_token(self.num_layers, self.num_heads, self.head_dim, dtype,
+                                  block_size)
 
     @property
     def full_layers(self) -> int:
@@ -97,34 +98,38 @@ def held_tokens(shape: Shape, context: int, block_size: int) -> tuple[int, int]:
 
 
 def report(shape: Shape, context: int, batch: int, memory: int | None,
-           block_size: int = 16, model_dtype=None, max_num_seqs: int = 32) -> list[dict]:
+           block_size: int | None = None, model_dtype=None, max_num_seqs: int = 32
+           ) -> list[dict]:
     """Per KV dtype: bytes per token and per context; with a memory budget, the sequences
-    and tokens it holds (int4: after the stage for a `model_dtype` model, bfloat16 if None)."""
+    and tokens it holds (int4: after the stage for a `model_dtype` model, bfloat16 if None).
+    block_size None: each format's default, as the engine takes it."""
     import torch
 
     from tokenmill.engine.cache_config import stage_slots
 
     rows = []
-    full, window = held_tokens(shape, context, block_size)
     for dtype in KV_FORMATS:
         if shape.latent_dim and dtype != "bfloat16" and dtype != "float32":
             continue  # MLA latents stay in the model's dtype (engine/cache_config.py)
-        per_token = shape.bytes_per_token(dtype, block_size=block_size)
-        mha = shape.mha_bytes_per_token(dtype)
-        per_layer = shape.bytes_per_token(dtype, 1, block_size)
+        bs = block_size or kv_format(dtype).default_block_size
+        full, window = held_tokens(shape, context, bs)
+        per_token = shape.bytes_per_token(dtype, block_size=bs)
+        mha = shape.mha_bytes_per_token(dtype, bs)
+        per_layer = shape.bytes_per_token(dtype, 1, bs)
         per_context = round((shape.full_layers * full + shape.sliding_layers * window)
                             * per_layer)
-        row = {"kv_dtype": dtype, "bytes_per_token": per_token, "mha_bytes_per_token": mha,
+        row = {"kv_dtype": dtype, "block_size": bs, "bytes_per_token": per_token,
+               "mha_bytes_per_token": mha,
                "per_context_bytes": per_context, "per_batch_bytes": per_context * batch}
         if memory is not None:
             left = memory
             if kv_format(dtype).staged and not shape.latent_dim:
                 slot = stage_bytes(shape.num_layers, shape.num_kv_heads, shape.head_dim,
-                                   block_size, model_dtype or torch.bfloat16)
+                                   bs, model_dtype or torch.bfloat16)
                 row["stage_bytes"] = stage_slots(max_num_seqs, memory, slot) * slot
                 left -= row["stage_bytes"]
             row["max_sequences"] = left // per_context
-            row["tokens_in_budget"] = left // round(per_token * block_size) * block_size
+            row["tokens_in_budget"] = left // round(per_token * bs) * bs
         rows.append(row)
     return rows
 
@@ -149,7 +154,7 @@ def human(n: float) -> str:
 
 
 def print_report(shape: Shape, context: int, batch: int, memory: int | None,
-                 block_size: int, as_json: bool = False, model_dtype=None) -> None:
+                 block_size: int | None, as_json: bool = False, model_dtype=None) -> None:
     rows = report(shape, context, batch, memory, block_size, model_dtype)
     if as_json:
         print(json.dumps({"model": shape.__dict__, "context": context, "batch": batch,
@@ -165,12 +170,13 @@ def print_report(shape: Shape, context: int, batch: int, memory: int | None,
     print(f"per token: {formula(shape)}")
     print(f"context {context:,} tokens, batch {batch}"
           + (f", budget {human(memory)}" if memory else ""))
-    header = ["kv_dtype", "bytes/token", "MHA bytes/token", "per context", "per batch"]
+    header = ["kv_dtype", "block", "bytes/token", "MHA bytes/token", "per context", "per batch"]
     if memory is not None:
         header += ["max seqs", "tokens in budget"]
     table = [header]
     for r in rows:
-        line = [r["kv_dtype"], f"{r['bytes_per_token']:,}", f"{r['mha_bytes_per_token']:,}",
+        line = [r["kv_dtype"], str(r["block_size"]), f"{r['bytes_per_token']:,}",
+                f"{r['mha_bytes_per_token']:,}",
                 human(r["per_context_bytes"]), human(r["per_batch_bytes"])]
         if memory is not None:
             line += [f"{r['max_sequences']:,}", f"{r['tokens_in_budget']:,}"]

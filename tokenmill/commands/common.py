@@ -29,7 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int)
     g.add_argument("--max-num-seqs", type=int, default=32)
     g.add_argument("--max-num-batched-tokens", type=int)
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int,
+                   help="tokens per KV block (default 16; 32 with --kv-cache-dtype int4)")
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--no-chunked-prefill", action="store_true")
     g.add_argument("--kv-cache-memory", type=parse_bytes, help="KV cache budget, e.g. 2GiB")

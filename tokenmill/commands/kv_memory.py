@@ -13,7 +13,8 @@ def add_parser(sub) -> None:
     p.add_argument("--context", type=int, help="tokens per sequence (default: the model's max)")
     p.add_argument("--batch", type=int, default=1, help="concurrent sequences")
     p.add_argument("--memory", type=parse_bytes, help="KV budget, e.g. 24GiB: max sequences")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int,
+                   help="tokens per KV block (default: each KV dtype's, as the engine's)")
     p.add_argument("--model-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="the model's dtype, which int4's stage (open blocks' keys) is kept in")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -29,7 +30,7 @@ def run(args) -> int:
         from tokenmill.kv_memory_deepseek_report import print_deepseek_report
 
         print_deepseek_report(cache, args.context or cache.max_len, args.batch, args.memory,
-                              args.block_size, args.json)
+                              args.block_size or 16, args.json)
         return 0
     import torch
 

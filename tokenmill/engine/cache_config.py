@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,9 +23,9 @@ DEFAULT_MEMORY_FRACTION = 0.5
 DEFAULT_CPU_KV_BYTES = 4 * 2**30
 DEFAULT_CHUNK_TOKENS = 2048
 # A staged KV format (int4) lends each open block a stage slot: a slot per running sequence
-# plus STAGE_CHUNK_SLOTS for prefill chunks (a chunk that needs more is cut to fit), at most a
-# quarter of the budget.
-STAGE_CHUNK_SLOTS = 64
+# plus STAGE_CHUNK_SLOTS for prefill chunks (a chunk that needs more is cut to fit: 16 slots of
+# 32-token blocks hold a 512-token chunk), at most an eighth of the budget.
+STAGE_CHUNK_SLOTS = 16
 
 
 def resolve_device(name: str) -> torch.device:
@@ -94,6 +94,8 @@ def kv_dtype_for(config: EngineConfig, model_dtype: torch.dtype) -> str:
 
 def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtype,
                   device: torch.device) -> KVCachePlan:
+    """The pools, their blocks and stage slots, and the limits they set; block_size None
+    becomes the KV format's default (plan.block_size)."""
     max_len = config.max_model_len or mc.max_position_embeddings
     if max_len > mc.max_position_embeddings:
         raise ValueError(
@@ -101,6 +103,8 @@ def plan_kv_cache(config: EngineConfig, mc: ModelConfig, model_dtype: torch.dtyp
             f"({mc.max_position_embeddings})"
         )
     kv_dtype = kv_dtype_for(config, model_dtype)
+    if config.block_size is None:
+        config = replace(config, block_size=kv_format(kv_dtype).default_block_size)
     bs = config.block_size
     if "v4" in mc.family:
         return _pooled_plan(config, mc, model_dtype, max_len, device)
@@ -214,11 +218,11 @@ def _pooled_plan(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max_
 
 def stage_slots(max_num_seqs: int, budget: int | None, slot_bytes: int) -> int:
     """Stage slots of a staged format's pool (0 for others): one per running sequence plus
-    STAGE_CHUNK_SLOTS, at most a quarter of the pool's budget (at least 2)."""
+    STAGE_CHUNK_SLOTS, at most an eighth of the pool's budget (at least 2)."""
     if not slot_bytes:
         return 0
     want = max_num_seqs + STAGE_CHUNK_SLOTS
-    return want if budget is None else max(2, min(want, budget // 4 // slot_bytes))
+    return want if budget is None else max(2, min(want, budget // 8 // slot_bytes))
 
 
 def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], slot_bytes: list[int],

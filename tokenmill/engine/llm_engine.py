@@ -66,7 +66,7 @@ class LLMEngine:
         clock.lap("tokenizer")
         plan = plan or plan_kv_cache(config, self.model_config, self.dtype, self.device)
         self.config = config = replace(
-            config, max_model_len=plan.max_model_len,
+            config, block_size=plan.block_size, max_model_len=plan.max_model_len,
             max_num_batched_tokens=plan.max_num_batched_tokens,
         )
         self.kv_plan = plan
@@ -126,6 +126,7 @@ class LLMEngine:
         with ops.building(backend):  # resolve_dtype asks which op implementation builds
             dtype = resolve_dtype(config.dtype, model_config.torch_dtype, self.device)
         plan = plan_kv_cache(config, model_config, dtype, self.device)
+        config = replace(config, block_size=plan.block_size)
         setup = Setup(config, path, model_config, plan.groups, plan.kv_dtype,
                       config.max_model_len)
         self.tp = TPDriver(config, config.parallel, self.device)
@@ -333,3 +334,4 @@ class LLMEngine:
             "prefix_cache_hits": bm.primary.num_hit_tokens,
             **(self.spec.stats() if self.spec is not None else {}),
         }
+

@@ -64,9 +64,24 @@ class ModelRunner:
                     stage_dtype=getattr(torch, g.stage_dtype)) for g in groups
         ]
         self.kv_cache = self.kv_caches[0]
+        self._check_invariant_caches()
         self.eos_ids = list(eos_ids)
         self.sampler = Sampler(device, seed, self.ops)
         self.tp_driver = None  # distributed/executor.py TPDriver: ranks to tell each step
+
+    def _check_invariant_caches(self) -> None:
+        """Batch-invariant ops read a quantized cache only through the kernels: refuse one
+        they do not read at start, not at the first step."""
+        from tokenmill.kernels.kv_pages import supports
+        from tokenmill.layers.batch_invariant import BatchInvariantOps
+
+        invariant = isinstance(self.ops, BatchInvariantOps)
+        for cache in self.kv_caches:
+            if invariant and getattr(cache, "quantized", False) and not supports(cache):
+                raise ValueError(f"deterministic mode reads a {cache.format.name} KV cache with "
+                                 f"the kernels, which need head_dim a multiple of 32 up to 256 "
+                                 f"(and a float32 or bfloat16 model); this model has head_dim "
+                                 f"{cache.head_dim}")
 
     def prepare_weights(self) -> None:
         """Pack every linear layer's weight (and plan its GEMMs and prefill attention) now, not

@@ -78,7 +78,7 @@ _SIGNATURES = {
     "tm_prefill_attention": (None, [c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, c_float,
                                     _P]),
     "tm_decode_attention_quant": (None, [_P, POINTER(KVPages), POINTER(KVPages), _I, _I, _P, _I,
-                                         _P, _P, _I, _I, _I, _I, c_float, _P]),
+                                         _P, _P, _I, _I, _I, _I, c_float, c_int, _P]),
     "tm_prefill_attention_quant": (None, [c_int, _P, _I, _I, _I, POINTER(KVPages),
                                           POINTER(KVPages), _I, _I, _P, _P, _I, _I, c_float,
                                           _P]),

@@ -12,9 +12,13 @@ at that position would. Everything else (norms, RoPE, activations, sampling with
 request's own generator) is row by row already. So temperature 0 and seeded sampling give
 identical tokens and logprobs alone, batched, chunked, prefix-cached or not.
 
+A quantized cache (int8, fp8, int4) is read the same way: its decode kernel never splits a
+row's positions between tasks here, and each prefill row attends as that decode step would.
+
 What it costs: prefill runs GEMMs one row at a time (still reading each weight panel from
 cache) and attention without tiling; decode is unchanged. docs/performance.md has the numbers.
-Needs the C++ kernels, a float32 or bfloat16 model on the CPU and a cache in the model's dtype.
+Needs the C++ kernels, a float32 or bfloat16 model on the CPU and a cache in the model's dtype
+or quantized (head_dim a multiple of 32, at most 256).
 """
 
 from __future__ import annotations
@@ -63,3 +67,25 @@ class BatchInvariantOps(KernelOps):
             raise RuntimeError(f"batch-invariant mode has no attention kernel for head_dim "
                                f"{q.shape[-1]} in {q.dtype}")
         return out
+
+    def decode_attention_quant(self, q, cache, layer, block_tables, seq_lens, stages, window,
+                               scale):
+        from tokenmill.kernels.kv_pages import supports
+
+        if not supports(cache):
+            raise RuntimeError(f"batch-invariant mode has no kernel for a {cache.format.name} "
+                               f"cache of head_dim {cache.head_dim}")
+        return self.lib.decode_attention_quant(q, cache, layer, block_tables, seq_lens, stages,
+                                               window, scale, invariant=True)
+
+    def prefill_attention_quant(self, q, cache, layer, block_table, stage_table, num_computed,
+                                window, scale):
+        """Each query row as a decode step at its position (a staged cache: the stage slot of
+        the row's own block)."""
+        n = q.shape[0]
+        tables = block_table[None, :].expand(n, -1).contiguous()
+        lens = torch.arange(num_computed + 1, num_computed + n + 1, dtype=torch.int64)
+        stages = None if stage_table is None else stage_table[(lens - 1) // cache.block_size]
+        out = self.decode_attention_quant(q.float(), cache, layer, tables, lens, stages, window,
+                                          scale)
+        return out.to(q.dtype)

@@ -35,6 +35,7 @@ _MIN_SCALE = 2.0**-14  # smallest normal fp16: keeps scales representable
 
 class KVFormat:
     name = "float"
+    default_block_size = 16  # tokens per KV block when the user names none
     staged = False  # K rows wait in a stage until their block is full (int4)
     v_rotated = False  # V is stored rotated (see rotation()): the output is rotated back
 

@@ -207,7 +207,7 @@ extern "C" void tm_decode_attention_quant(const float* q, const tm_kv_pages* k,
                                           int64_t max_blocks, const int64_t* seq_lens,
                                           const int64_t* stages, int64_t batch, int64_t heads,
                                           int64_t head_dim, int64_t window, float scale,
-                                          float* out) {
+                                          int invariant, float* out) {
   const int64_t group = heads / kv_heads, D = head_dim, Dp = (D + kLanes - 1) / kLanes * kLanes;
   const QuantPages K(*k, kv_heads, D, block_size), V(*v, kv_heads, D, block_size);
   const int64_t threads = g_threads;
@@ -215,7 +215,7 @@ extern "C" void tm_decode_attention_quant(const float* q, const tm_kv_pages* k,
   for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, seq_lens[b]), total += seq_lens[b];
   const int64_t nh = batch >= 4 * threads ? kv_heads : 1, units = batch * (kv_heads / nh);
   int64_t splits = 1;  // positions split until there are 4 tasks per thread (>= 256 each)
-  while (units * splits < 4 * threads && longest / (2 * splits) >= 256) splits *= 2;
+  while (!invariant && units * splits < 4 * threads && longest / (2 * splits) >= 256) splits *= 2;
   std::vector<Part> parts;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t L = seq_lens[b], start = window > 0 ? std::max<int64_t>(0, L - window) : 0;

@@ -170,13 +170,15 @@ TM_API void tm_prefill_attention_quant(int dtype, const void* q, int64_t n_new, 
                                        int64_t num_computed, int64_t window, float scale,
                                        void* out);
 /* decode attention as tm_decode_attention, on a quantized cache; q and out float32 (int4: the
- * output in V's rotated basis); int4: stages (batch,) the stage slot of each row's own block */
+ * output in V's rotated basis); int4: stages (batch,) the stage slot of each row's own block.
+ * invariant: a row's positions are never split between tasks (its sums do not depend on the
+ * batch: batch-invariant mode) */
 TM_API void tm_decode_attention_quant(const float* q, const tm_kv_pages* k, const tm_kv_pages* v,
                                       int64_t block_size, int64_t kv_heads,
                                       const int64_t* block_tables, int64_t max_blocks,
                                       const int64_t* seq_lens, const int64_t* stages,
                                       int64_t batch, int64_t heads, int64_t head_dim,
-                                      int64_t window, float scale, float* out);
+                                      int64_t window, float scale, int invariant, float* out);
 /* every decoder layer of a decode-only step: x (batch, hidden) holds the embeddings and
  * receives the final norm's output; caches (layers, blocks, block_size, kv_heads, head_dim) */
 TM_API void tm_decode_stack(const tm_decoder* model, void* x, int64_t batch,
