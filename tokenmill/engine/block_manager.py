@@ -13,10 +13,8 @@ chained block hashes and its computed-token counter; other groups read them. A c
 block_size x rate tokens, a whole number (`stride`) of group 0's blocks, and is cached under
 the hash of the last of them.
 
-A pool of a staged KV format (int4) also lends stage slots: every block not yet full of
-computed tokens holds one (the sequence's stage table, parallel to its block table, says which;
--1 for a full block). The slot comes with the block and goes back when the block's tokens are
-all computed (commit), or when the block is released. Allocation needs both.
+A pool of a staged KV format (int4) also lends a stage slot with each block until the block's
+tokens are computed (stage_slots.py); allocation needs both.
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from tokenmill.engine.sequence import Sequence
+from tokenmill.engine.stage_slots import StageSlots
 
 # Stands in a block table for a block released because it slid out of the attention window.
 NULL_BLOCK = -1
@@ -44,7 +43,7 @@ def hash_block(parent_hash: int | None, token_ids: list[int]) -> int:
     return hash((parent_hash, tuple(token_ids)))
 
 
-class BlockManager:
+class BlockManager(StageSlots):
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  group: int = 0, rate: int = 1, token_block_size: int | None = None,
                  stage_slots: int = 0):
@@ -65,8 +64,7 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # block hash -> block id
         self.num_queried_tokens = 0  # prefix-cache statistics, in tokens
         self.num_hit_tokens = 0
-        self.staged = stage_slots > 0
-        self._free_stages = list(range(stage_slots - 1, -1, -1))  # popped from the end
+        self._init_stages(stage_slots)
 
     # ---- this manager's table of a sequence --------------------------------------------------
     def table(self, seq: Sequence) -> list[int]:
@@ -77,15 +75,7 @@ class BlockManager:
     def _set_table(self, seq: Sequence, table: list[int]) -> None:
         self.table(seq)
         seq.block_tables[self.group] = table
-        if self.staged:
-            self.stages(seq)
-            seq.stage_tables[self.group] = [-1] * len(table)
-
-    def stages(self, seq: Sequence) -> list[int]:
-        """Seq's stage slot of each block of its table in this pool (-1: none)."""
-        while len(seq.stage_tables) <= self.group:
-            seq.stage_tables.append([])
-        return seq.stage_tables[self.group]
+        self._reset_stages(seq, len(table))
 
     # ---- accounting -------------------------------------------------------------------------
     @property
@@ -95,10 +85,6 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         return len(self._free)
-
-    @property
-    def num_free_stages(self) -> int:
-        return len(self._free_stages)
 
     @property
     def usage(self) -> float:
@@ -183,8 +169,7 @@ class BlockManager:
         table = self.table(seq)
         while len(table) < self.blocks_for_tokens(total):
             table.append(self._pop_free())
-            if self.staged:
-                self.stages(seq).append(self._free_stages.pop())
+            self._lend_stage(seq)
 
     def _chain(self, seq: Sequence, num_blocks: int) -> list[int]:
         """The chained hashes of seq's first num_blocks blocks."""
@@ -211,18 +196,6 @@ class BlockManager:
             seq.block_hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
         self.register(seq, start, len(seq.block_hashes))
         self.release_stages(seq)
-
-    def release_stages(self, seq: Sequence) -> None:
-        """Stage slots of blocks whose tokens are all computed go back (those blocks are
-        quantized now; the open blocks follow them in the table)."""
-        if not self.staged:
-            return
-        stages = self.stages(seq)
-        i = seq.num_computed_tokens // self.block_size - 1
-        while 0 <= i < len(stages) and stages[i] >= 0:
-            self._free_stages.append(stages[i])
-            stages[i] = -1
-            i -= 1
 
     def register(self, seq: Sequence, start: int, end: int) -> None:
         """Put blocks start..end-1 of seq's table under their hashes in the prefix cache."""
@@ -261,8 +234,7 @@ class BlockManager:
         for block_id in reversed(self.table(seq)):
             if block_id != NULL_BLOCK:
                 self._release(block_id)
-        if self.staged:
-            self._free_stages += [s for s in self.stages(seq) if s >= 0]
+        self._return_stages(seq)
         self._set_table(seq, [])
         if self.primary:
             seq.block_hashes = []
@@ -277,8 +249,7 @@ class BlockManager:
             block_id = table.pop()
             if block_id != NULL_BLOCK:
                 self._release(block_id)
-            if self.staged and (stage := self.stages(seq).pop()) >= 0:
-                self._free_stages.append(stage)
+            self._return_stages(seq, last=True)
 
     def release_outside_window(self, seq: Sequence, window: int) -> None:
         """Free blocks no future query can see: every later query sits at a position
