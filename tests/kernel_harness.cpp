@@ -99,6 +99,35 @@ int main(int argc, char** argv) {
                          reinterpret_cast<const int64_t*>(table.data()), I(6), I(7),
                          static_cast<float>(p[8]), out.data());
     save(dir + "out.bin", out.data(), out.size());
+  } else if (kernel == "kv_attention") {
+    // format batch heads kv_heads head_dim block_size blocks max_blocks window scale:
+    // k, v (blocks x block_size rows, f32), rotation (f32, int4), tables, lens, stages (i64), q
+    // -> the pages written by tm_kv_store (every slot, stage slot = block), then decode
+    // attention (int4: the output in V's rotated basis)
+    const int fmt = I(0);
+    const int64_t B = I(1), Hq = I(2), Hk = I(3), D = I(4), BS = I(5), nb = I(6), rows = nb * BS;
+    const bool int4 = fmt == TM_KV_INT4;
+    const int64_t cb = int4 ? D / 2 : D;
+    Bytes k = in(0), v = in(1), rot = in(2), tables = in(3), lens = in(4), stages = in(5), q = in(6);
+    std::vector<int64_t> slots(rows);
+    for (int64_t i = 0; i < rows; ++i) slots[i] = i;
+    std::vector<uint8_t> kc(rows * Hk * cb), vc(rows * Hk * cb), params(nb * Hk * (2 * D + 4));
+    std::vector<uint16_t> ks(rows * Hk), vs(rows * Hk);
+    std::vector<float> stage(rows * Hk * D), out(B * Hq * D);
+    tm_kv_pages kp{fmt, kc.data(), int4 ? nullptr : ks.data(), int4 ? params.data() : nullptr,
+                   int4 ? stage.data() : nullptr, TM_F32};
+    tm_kv_pages vp{int4 ? TM_KV_INT4V : fmt, vc.data(), vs.data(), nullptr, nullptr, TM_F32};
+    tm_kv_store(kp.format, reinterpret_cast<const float*>(k.data()), rows, Hk, D, nullptr,
+                slots.data(), slots.data(), BS, &kp);
+    tm_kv_store(vp.format, reinterpret_cast<const float*>(v.data()), rows, Hk, D,
+                int4 ? reinterpret_cast<const float*>(rot.data()) : nullptr, slots.data(),
+                nullptr, BS, &vp);
+    tm_decode_attention_quant(reinterpret_cast<const float*>(q.data()), &kp, &vp, BS, Hk,
+                              reinterpret_cast<const int64_t*>(tables.data()), I(7),
+                              reinterpret_cast<const int64_t*>(lens.data()),
+                              int4 ? reinterpret_cast<const int64_t*>(stages.data()) : nullptr,
+                              B, Hq, D, I(8), static_cast<float>(p[9]), 0, out.data());
+    save(dir + "out.bin", out.data(), out.size() * 4);
   } else {
     std::fprintf(stderr, "unknown kernel %s\n", kernel.c_str());
     return 2;

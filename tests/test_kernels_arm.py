@@ -148,6 +148,40 @@ def test_prefill_attention(harness, tmp_path, dtype):
     close(got, ref)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])
+def test_quantized_kv_decode_attention(harness, tmp_path, fmt):
+    """tm_kv_store then tm_decode_attention_quant (the integer key and value paths on NEON and
+    scalar) against the PyTorch encoders and gather + SDPA, within the kernels' integer
+    rounding (tests/test_kv_kernels.py INTEGER_TOL)."""
+    from tests.test_kv_kernels import INTEGER_TOL
+    from tokenmill.kernels.kv_pages import KV_FORMATS
+    from tokenmill.layers.attention import AttentionContext, PagedAttention
+    from tokenmill.layers.kv_cache import KVCache
+
+    torch.manual_seed(5)
+    blocks, bs, hk, d = 12, 16, 2, 64
+    k, v = torch.randn(blocks * bs, hk, d) * 2, torch.randn(blocks * bs, hk, d)
+    cache = KVCache(1, blocks, bs, hk, d, fmt, torch.device("cpu"), stage_slots=blocks)
+    slots = torch.arange(blocks * bs)
+    cache.store(0, k, v, slots, slots)
+    tables = torch.tensor([[3, 1, 4, 0, 5, 9, 2, 6, 11, 7], [7, 8, 10, 0, 0, 0, 0, 0, 0, 0]])
+    lens = torch.tensor([150, 40])
+    stages = tables[torch.arange(2), (lens - 1) // bs]  # stage slot i is block i's
+    q = torch.randn(2, 6, d)
+    attn = PagedAttention(6, hk, d, 0, sliding_window=None)
+    rot = cache.format.rotation(d, q.device) if fmt == "int4" else torch.zeros(1)
+    got = call(harness, tmp_path, "kv_attention",
+               [KV_FORMATS[fmt], 2, 6, hk, d, bs, blocks, tables.shape[1], 0, attn.scale],
+               [k, v, rot, tables, lens, stages, q], torch.float32, (2, 6, d))
+    if fmt == "int4":
+        got = got @ rot.T
+    ctx = AttentionContext(cache, torch.tensor([]), 2, decode_block_tables=tables,
+                           decode_seq_lens=lens, decode_stages=stages)
+    attn.ops = ops.TorchOps()
+    ref = attn._decode(q, ctx)
+    assert (got - ref).abs().max().item() / ref.abs().max().item() < INTEGER_TOL
+
+
 @pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("rows", [1, 9])  # one tile, two
 def test_quantized_linear(harness, tmp_path, bits, rows):
