@@ -74,7 +74,7 @@ def main() -> None:
                      "perplexity_code": perplexity(llm, code, args.chunk),
                      "greedy_agreement": same / len(tokens), "first_divergence": first,
                      "teacher_forced_agreement": teacher_forced(llm, prompt, reference),
-                     "bytes_per_token": per_token, "tokens_per_gib": 2**30 // per_token})
+                     "bytes_per_token": per_token, "tokens_per_gib": int(2**30 // per_token)})
         print(f"{kv}: done", file=sys.stderr)
     base = rows[1]["tokens_per_gib"]  # relative to bfloat16
     print(f"{args.model}, float32 weights, {len(ids)}-token text ({TEXT.name}), greedy over "
