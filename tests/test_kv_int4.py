@@ -13,9 +13,12 @@ import pytest
 from tests.conftest import random_prompts, save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine import cache_config
+from tokenmill.layers import ops
 from tokenmill.layers.kv_cache import kv_bytes_per_token
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+needs_kernels = pytest.mark.skipif(not ops.available(), reason="batch-invariant mode needs "
+                                   "tokenmill's C++ kernels")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +66,7 @@ def plain(model):
     return run
 
 
+@needs_kernels
 @pytest.mark.parametrize("kv,block_size", [("int4", 16), ("int4", 32), ("int8", 16),
                                            ("fp8_e4m3", 16)])
 def test_batched_chunked_prefix_cached_preempted_equal_plain(model, plain, monkeypatch, kv,
@@ -93,6 +97,7 @@ def repetitive(tmp_path_factory):
     return str(path)
 
 
+@needs_kernels
 @pytest.mark.parametrize("method", ["ngram", "suffix", "draft"])
 def test_speculative_decoding_equals_plain(model, repetitive, method):
     """Drafts verified as decode rows that cross block boundaries (a block filled with drafts
