@@ -135,3 +135,17 @@ def test_stage_slots_follow_open_blocks(model):
             done = seq.num_computed_tokens // bs
             assert all(s == -1 for s in stages[:done]) and all(s >= 0 for s in stages[done:])
     assert_all_free(llm)
+
+
+@needs_kernels
+def test_scoring_chunks_are_cut_to_the_stage_slots(model):
+    """compute_logits with a chunk longer than the stage slots hold (one sequence: 17 slots of
+    16 tokens) cuts it as the scheduler would, and the logits are those of 16-token chunks."""
+    llm = LLM(model, dtype="float32", kv_cache_dtype="int4", block_size=16, max_num_seqs=1,
+              deterministic=True)
+    assert llm.engine.kv_plan.groups[0].stage_slots * 16 < 400
+    ids = random_prompts(1, 400, 400, seed=9)[0]
+    whole = llm.engine.compute_logits(ids, chunk_size=400)
+    assert whole.shape[0] == 400
+    assert (whole == llm.engine.compute_logits(ids, chunk_size=16)).all()
+    assert_all_free(llm)

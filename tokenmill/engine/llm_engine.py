@@ -301,7 +301,9 @@ class LLMEngine:
     @torch.inference_mode()
     def compute_logits(self, token_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
         """Logits (tokens, vocab) at every position of token_ids, computed through the paged
-        KV cache in chunks (for scoring, perplexity and tests). Blocks are freed afterwards."""
+        KV cache in chunks (for scoring, perplexity and tests), each cut to what the free
+        blocks (and int4's stage slots) hold, as the scheduler cuts them. Blocks are freed
+        afterwards."""
         self._validate_prompt(token_ids[:-1] or token_ids)
         seq = Sequence(token_ids, SamplingParams(max_tokens=1))
         chunk = chunk_size or self.config.max_num_batched_tokens
@@ -309,6 +311,8 @@ class LLMEngine:
         try:
             while seq.num_computed_tokens < seq.num_tokens:
                 n = min(chunk, seq.num_uncomputed_tokens)
+                while n > 1 and not self.kv_manager.can_allocate(seq, n):
+                    n //= 2
                 if not self.kv_manager.can_allocate(seq, n):
                     raise RuntimeError("not enough free KV blocks to score this sequence")
                 self.kv_manager.allocate(seq, n)
