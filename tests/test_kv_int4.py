@@ -149,3 +149,15 @@ def test_scoring_chunks_are_cut_to_the_stage_slots(model):
     assert whole.shape[0] == 400
     assert (whole == llm.engine.compute_logits(ids, chunk_size=16)).all()
     assert_all_free(llm)
+
+
+def test_without_chunked_prefill_a_whole_prompt_gets_its_stage_slots(model):
+    """A prompt prefilled in one step opens all its blocks at once: the plan gives the stage
+    a max_model_len prompt's blocks (else such a request would wait forever)."""
+    llm = LLM(model, dtype="float32", kv_cache_dtype="int4", block_size=16, max_num_seqs=1,
+              enable_chunked_prefill=False, max_model_len=512)
+    assert llm.engine.kv_plan.groups[0].stage_slots >= 512 // 16 + 1
+    prompt = random_prompts(1, 450, 450, seed=10)[0]
+    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == GREEDY.max_tokens
+    assert_all_free(llm)

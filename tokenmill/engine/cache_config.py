@@ -216,13 +216,18 @@ def _pooled_plan(config: EngineConfig, mc: ModelConfig, dtype: torch.dtype, max_
                        _batched_tokens(config, max_len))
 
 
-def stage_slots(max_num_seqs: int, budget: int | None, slot_bytes: int) -> int:
+def stage_slots(max_num_seqs: int, budget: int | None, slot_bytes: int,
+                whole_prompt: int = 0) -> int:
     """Stage slots of a staged format's pool (0 for others): one per running sequence plus
-    STAGE_CHUNK_SLOTS, at most an eighth of the pool's budget (at least 2)."""
+    STAGE_CHUNK_SLOTS, at most an eighth of the pool's budget (at least 2). whole_prompt:
+    without chunked prefill a prompt of max_model_len tokens opens that many blocks in one
+    step; they are always there (and the budget must hold them)."""
     if not slot_bytes:
         return 0
-    want = max_num_seqs + STAGE_CHUNK_SLOTS
-    return want if budget is None else max(2, min(want, budget // 8 // slot_bytes))
+    want = max_num_seqs + max(STAGE_CHUNK_SLOTS, whole_prompt)
+    if budget is None:
+        return want
+    return max(2, whole_prompt + 1, min(want, budget // 8 // slot_bytes))
 
 
 def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], slot_bytes: list[int],
@@ -237,10 +242,12 @@ def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], slot_byte
     per_seq = [-(-max_len // bs) if window is None else -(-window // bs) + 2
                for _, window in specs]
     per_seq[1:] = [2 * n for n in per_seq[1:]]
-    wanted = sum(config.max_num_seqs * n * b + stage_slots(config.max_num_seqs, None, s) * s
-                 for n, b, s in zip(per_seq, block_bytes, slot_bytes))
+    whole = 0 if config.enable_chunked_prefill else -(-max_len // bs) + 1
+    wanted = sum(config.max_num_seqs * n * b + stage_slots(config.max_num_seqs, None, s, whole)
+                 * s for n, b, s in zip(per_seq, block_bytes, slot_bytes))
     budget = _budget(config, wanted, device)
-    stages = [stage_slots(config.max_num_seqs, budget // len(specs), s) for s in slot_bytes]
+    stages = [stage_slots(config.max_num_seqs, budget // len(specs), s, whole)
+              for s in slot_bytes]
     budget -= sum(n * s for n, s in zip(stages, slot_bytes))
     blocks = []
     if len(specs) == 2:  # the sliding pool: twice what max_num_seqs sequences need, <= half
@@ -248,8 +255,10 @@ def _group_blocks(config: EngineConfig, specs, block_bytes: list[int], slot_byte
         blocks.append(max(1, sliding // block_bytes[1]))
         budget -= blocks[-1] * block_bytes[1]
     if budget // block_bytes[0] < 1:
+        staged = sum(n * s for n, s in zip(stages, slot_bytes))
         raise ValueError(
             f"kv_cache_memory ({config.kv_cache_memory} bytes) is smaller than one KV block "
             f"({block_bytes[0]} bytes = {bs} tokens x {block_bytes[0] // bs} bytes)"
+            + (f" after the int4 stage ({stages[0]} slots, {staged} bytes)" if staged else "")
         )
     return [budget // block_bytes[0], *blocks], stages
