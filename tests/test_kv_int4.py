@@ -74,7 +74,8 @@ def test_batched_chunked_prefix_cached_preempted_equal_plain(model, plain, monke
     # 352 tokens of blocks for 8 prompts of up to 62 tokens + 40 each, and int4's 8 stage
     # slots (a block's rows in float32, the model's dtype): the budget's share for the stage
     # would leave it 2 slots, too little concurrency to preempt anyone
-    monkeypatch.setattr(cache_config, "stage_slots", lambda seqs, budget, size: 8 if size else 0)
+    monkeypatch.setattr(cache_config, "stage_slots",
+                        lambda seqs, budget, size, whole=0: 8 if size else 0)
     per_token = kv_bytes_per_token(2, 2, 64, kv, block_size)
     stage = 8 * 2 * block_size * 2 * 64 * 4 if kv == "int4" else 0
     llm = LLM(model, dtype="float32", kv_cache_dtype=kv, max_num_batched_tokens=32,
