@@ -29,13 +29,13 @@ class Shape:
     expanded_dims: int = 0  # MLA: per head, the K + V dims the latent stands for
 
     def bytes_per_token(self, dtype, layers: int | None = None,
-                        block_size: int = 16) -> int | float:
+                        block_size: int | None = None) -> int | float:
         layers = self.num_layers if layers is None else layers
         if self.latent_dim:
             return latent_bytes_per_token(layers, self.latent_dim, dtype)
         return kv_bytes_per_token(layers, self.num_kv_heads, self.head_dim, dtype, block_size)
 
-    def mha_bytes_per_token(self, dtype, block_size: int = 16) -> int | float:
+    def mha_bytes_per_token(self, dtype, block_size: int | None = None) -> int | float:
         """Per-head K and V for every attention head (for MLA: the expanded K and V)."""
         if self.latent_dim:
             return latent_bytes_per_token(self.num_layers, self.num_heads * self.expanded_dims,

@@ -32,9 +32,10 @@ def _gather(part: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
-                       kv_dtype: str | torch.dtype, block_size: int = 16) -> int | float:
+                       kv_dtype: str | torch.dtype, block_size: int | None = None) -> int | float:
     """layers x kv_heads x (K and V bytes of a token and head: codes, scales, and int4's
-    per-block params spread over the block's tokens, so not always a whole number)."""
+    per-block params spread over the block's tokens, so not always a whole number); block_size
+    None: the format's default, as the engine takes it."""
     per = num_layers * num_kv_heads * kv_format(kv_dtype).bytes_per_token_head(head_dim,
                                                                                 block_size)
     return int(per) if per == int(per) else per
@@ -125,10 +126,6 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.k + self.v + self.k_blocks)
-
-    def k_parts(self, layer: int) -> list[torch.Tensor]:
-        """One layer's K parts: per token, then per block."""
-        return [p[layer] for p in self.k + self.k_blocks]
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor | None,
               slots: torch.Tensor, stage_rows: torch.Tensor | None = None) -> None:

@@ -55,8 +55,10 @@ class KVFormat:
         """(width, dtype) of each part stored per (block, head)."""
         return []
 
-    def bytes_per_token_head(self, head_dim: int, block_size: int = 16) -> float:
-        """K and V bytes of one token and KV head (per-block parts spread over the block)."""
+    def bytes_per_token_head(self, head_dim: int, block_size: int | None = None) -> float:
+        """K and V bytes of one token and KV head (per-block parts spread over the block;
+        block_size None: this format's default)."""
+        block_size = block_size or self.default_block_size
         return sum(sum(w * d.itemsize for w, d in self.part_specs(head_dim, kind))
                    + sum(w * d.itemsize for w, d in self.block_specs(head_dim, kind)) / block_size
                    for kind in ("k", "v"))

@@ -5,11 +5,11 @@
 // cache row), else one KV head; when even those are fewer than 4 per thread, each sequence's
 // positions are split between tasks (partial softmax sums, combined at the end).
 //
-// int8 and int4 keys are scored with integer dot products: the query (int4: times each
-// channel's step, per block) is rounded to int16 on its own scale (2**15 levels, so the scores
-// keep ~1e-5 of their size), the codes are widened to int16, and the sums come back to float
-// times the row's scale (int8) plus the block's q . minimum (int4). A query's own int4 block
-// comes from the stage, in float.
+// int8 and int4 keys are scored with integer dot products: the query is rounded to int16 once
+// per task (2**14 levels: a score moves by ~1e-4 of |q| |k|), the codes are widened to int16
+// (int4: times each channel's step code), and the sums come back to float times the row's scale
+// (int8), or the block's step unit plus its q . minimum (int4). A query's own int4 block comes
+// from the stage, in float.
 #include "attention_common.h"
 #include "kv_pages.h"
 #include "tm.h"
