@@ -79,7 +79,8 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
         for (int64_t i = i0; i < i1; i += w->row_invariant ? 1 : kRowTile) {
           const int R = w->row_invariant ? 1 : static_cast<int>(std::min(kRowTile, i1 - i));
           const int64_t bi = i * (K / kBlock);
-          tile<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, y);
+          tile<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, y,
+                     i == i0 && g + 1 < g1 ? wq + (g + 1) * gstride : nullptr);
           for (int r = 0; r < R; ++r) {
             O* dst = out + (i + r) * N + g * kGroup;
             for (int64_t o = 0; o < n; o += kLanes) {

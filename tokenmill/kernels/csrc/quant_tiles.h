@@ -26,6 +26,16 @@ inline int code_at(const uint8_t* codes, int bits, int64_t o, int64_t k) {
   return c;
 }
 
+// The block at `pf` (the next group's, or null) into L1: a thread's groups are consecutive in
+// memory, so the tile's arithmetic overlaps the next group's read (without it a 16-row decode
+// batch waited on memory and arithmetic in turn: 30 layers' GEMMs 7.6 -> 5.1 ms here)
+template <int BITS>
+inline void prefetch_block(const uint8_t* pf) {
+  if (pf)
+    for (int64_t l = 0; l < group_bytes(BITS); l += 64)
+      __builtin_prefetch(pf + l, 0, 3);
+}
+
 // y[r][0..16) = the 16 outputs of group `w` for input rows r < R (rows ld K in xq)
 template <int BITS>
 void tile_portable(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
@@ -51,7 +61,7 @@ void tile_portable(int R, const int8_t* xq, const float* dx, const float* sx, in
 #if defined(__AVX512VNNI__)
 template <int R, int BITS>
 void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
-               float (*y)[kGroup]) {
+               float (*y)[kGroup], const uint8_t* pf) {
   const int64_t blocks = K / kBlock;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
@@ -59,6 +69,7 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * group_bytes(BITS);
     const uint8_t* codes = blk + 64;
+    prefetch_block<BITS>(pf ? pf + b * group_bytes(BITS) : nullptr);
     __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
     __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
     __m512i s[R];
@@ -102,16 +113,16 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
 
 template <int BITS>
 void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
-          const uint8_t* w, float (*y)[kGroup]) {
+          const uint8_t* w, float (*y)[kGroup], const uint8_t* pf = nullptr) {
   switch (R) {
-    case 1: return tile_vnni<1, BITS>(xq, dx, sx, K, w, y);
-    case 2: return tile_vnni<2, BITS>(xq, dx, sx, K, w, y);
-    case 3: return tile_vnni<3, BITS>(xq, dx, sx, K, w, y);
-    case 4: return tile_vnni<4, BITS>(xq, dx, sx, K, w, y);
-    case 5: return tile_vnni<5, BITS>(xq, dx, sx, K, w, y);
-    case 6: return tile_vnni<6, BITS>(xq, dx, sx, K, w, y);
-    case 7: return tile_vnni<7, BITS>(xq, dx, sx, K, w, y);
-    default: return tile_vnni<8, BITS>(xq, dx, sx, K, w, y);
+    case 1: return tile_vnni<1, BITS>(xq, dx, sx, K, w, y, pf);
+    case 2: return tile_vnni<2, BITS>(xq, dx, sx, K, w, y, pf);
+    case 3: return tile_vnni<3, BITS>(xq, dx, sx, K, w, y, pf);
+    case 4: return tile_vnni<4, BITS>(xq, dx, sx, K, w, y, pf);
+    case 5: return tile_vnni<5, BITS>(xq, dx, sx, K, w, y, pf);
+    case 6: return tile_vnni<6, BITS>(xq, dx, sx, K, w, y, pf);
+    case 7: return tile_vnni<7, BITS>(xq, dx, sx, K, w, y, pf);
+    default: return tile_vnni<8, BITS>(xq, dx, sx, K, w, y, pf);
   }
 }
 constexpr bool kFastQuant = true;
@@ -134,7 +145,7 @@ inline __m256i fifth_bits(const uint8_t* p) {
 
 template <int R, int BITS>
 void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
-               int half, float (*y)[kGroup]) {
+               int half, float (*y)[kGroup], const uint8_t* pf) {
   const int64_t blocks = K / kBlock;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -143,6 +154,7 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * group_bytes(BITS);
     const uint8_t* codes = blk + 64 + 32 * half;
+    prefetch_block<BITS>(pf ? pf + b * group_bytes(BITS) : nullptr);
     __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * half)));
     __m256 m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * half)));
     if constexpr (BITS == 8) m = _mm256_fmadd_ps(d, _mm256_set1_ps(128.f), m);
@@ -190,17 +202,18 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
 
 template <int BITS>
 void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
-          const uint8_t* w, float (*y)[kGroup]) {
+          const uint8_t* w, float (*y)[kGroup], const uint8_t* pf = nullptr) {
   const int64_t blocks = K / kBlock;
   for (int r0 = 0; r0 < R; r0 += 4) {
     const int8_t* x = xq + r0 * K;
     const float *d = dx + r0 * blocks, *s = sx + r0 * blocks;
     for (int half = 0; half < 2; ++half) {
+      const uint8_t* p = r0 == 0 && half == 0 ? pf : nullptr;  // the first pass prefetches
       switch (std::min(4, R - r0)) {
-        case 1: tile_avx2<1, BITS>(x, d, s, K, w, half, y + r0); break;
-        case 2: tile_avx2<2, BITS>(x, d, s, K, w, half, y + r0); break;
-        case 3: tile_avx2<3, BITS>(x, d, s, K, w, half, y + r0); break;
-        default: tile_avx2<4, BITS>(x, d, s, K, w, half, y + r0);
+        case 1: tile_avx2<1, BITS>(x, d, s, K, w, half, y + r0, p); break;
+        case 2: tile_avx2<2, BITS>(x, d, s, K, w, half, y + r0, p); break;
+        case 3: tile_avx2<3, BITS>(x, d, s, K, w, half, y + r0, p); break;
+        default: tile_avx2<4, BITS>(x, d, s, K, w, half, y + r0, p);
       }
     }
   }
@@ -209,7 +222,7 @@ constexpr bool kFastQuant = true;
 #else
 template <int BITS>
 void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
-          const uint8_t* w, float (*y)[kGroup]) {
+          const uint8_t* w, float (*y)[kGroup], const uint8_t* = nullptr) {
   tile_portable<BITS>(R, xq, dx, sx, K, w, y);
 }
 constexpr bool kFastQuant = false;
