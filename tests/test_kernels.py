@@ -150,6 +150,52 @@ def test_decode_attention(kops, dtype, window, threads, block_size, seqs, head_d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("head_dim", [32, 40])
+# rows per sequence: one verifying 5 drafts (6 rows), one 2, a lone row, 12 rows (cut in runs of
+# at most 32 / group); [1, 9]: one long run and nothing else (split for the threads)
+@pytest.mark.parametrize("runs", [[6, 2, 1, 12], [9]])
+def test_decode_attention_runs(kops, dtype, window, threads, head_dim, runs):
+    """Rows of one sequence at consecutive positions (speculative decoding's verify rows, a
+    batch-invariant prefill chunk) read the history once for all of them: each row's output is
+    bit for bit what it gets alone, and matches the reference."""
+    from tokenmill.layers.attention import AttentionContext, PagedAttention
+    from tokenmill.layers.kv_cache import KVCache
+
+    torch.manual_seed(4)
+    d, bs = head_dim, 8
+    cache = KVCache(1, 12, bs, 2, d, dtype, torch.device("cpu"))
+    slots = 12 * bs
+    cache.store(0, torch.randn(slots, 2, d), torch.randn(slots, 2, d), torch.arange(slots))
+    tables, lens = [], []
+    for n in runs:
+        table = torch.randperm(12)[:11]
+        start = int(torch.randint(1, 11 * bs - n, ()))
+        for j in range(n):
+            tables.append(table)
+            lens.append(start + j)
+    if len(runs) > 1:  # a row whose length follows the previous row's but whose blocks differ
+        tables.append(torch.randperm(12)[:11])
+        lens.append(lens[-1] + 1)
+    tables, lens = torch.stack(tables), torch.tensor(lens)
+    q = torch.randn(len(lens), 6, d).to(dtype)
+    attn = PagedAttention(6, 2, d, 0, sliding_window=window)
+    kc, vc = cache.k[0][0], cache.v[0][0]
+    fast = kops.decode_attention(q, kc, vc, tables, lens, window, attn.scale)
+    for b in range(len(lens)):
+        alone = kops.decode_attention(q[b:b + 1], kc, vc, tables[b:b + 1], lens[b:b + 1],
+                                      window, attn.scale)
+        assert torch.equal(fast[b:b + 1], alone), b
+    ctx = AttentionContext(cache, torch.tensor([]), len(lens), decode_block_tables=tables,
+                           decode_seq_lens=lens)
+    k, v = cache.gather(0, tables, dtype)
+    ref = attn._sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                     mask=ctx.decode_mask(window))[:, :, 0]
+    close(fast, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 # (tokens already cached, new tokens, window): a first chunk, a later chunk reading its history,
 # a window shorter than the chunk, one token, a chunk ending mid-block
 @pytest.mark.parametrize("computed,new,window", [(0, 37, None), (20, 50, None), (0, 100, 24),

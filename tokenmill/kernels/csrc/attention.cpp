@@ -18,29 +18,45 @@ struct Paged {
   const int64_t* table;
   int64_t L, BS, row, offset, D;
 
-  const T* at(int64_t p) const { return cache + (table[p / BS] * BS + p % BS) * row + offset; }
-  // rows from p up to the end of its block, at most kRows
-  int64_t take(int64_t p) const { return std::min({BS - p % BS, L - p, kRows}); }
-  void prefetch(int64_t p, bool near) const {
-    if (p >= L) return;
-    const char* r = reinterpret_cast<const char*>(at(p));
-    const int64_t rows = take(p), stride = row * sizeof(T), bytes = D * sizeof(T);
+  // row `off` of the sequence's block `b`
+  const T* at(int64_t b, int64_t off) const { return cache + (table[b] * BS + off) * row + offset; }
+  void prefetch(int64_t b, int64_t off, int64_t rows, bool near) const {
+    const char* r = reinterpret_cast<const char*>(at(b, off));
+    const int64_t stride = row * sizeof(T), bytes = D * sizeof(T);
     for (int64_t j = 0; j < rows; ++j, r += stride)
-      for (int64_t b = 0; b < bytes; b += 64) near ? prefetch_l1(r + b) : prefetch_l2(r + b);
+      for (int64_t i = 0; i < bytes; i += 64) near ? prefetch_l1(r + i) : prefetch_l2(r + i);
   }
 };
 
 // Visit positions [start, L) up to kRows at a time, never crossing a cache block: fn(index of
 // the first position from start, rows, its cache row). Blocks lie anywhere in the cache, so the
 // hardware prefetcher loses the stream at each one: each chunk prefetches the next into L1 and
-// the one after into L2.
+// the one after into L2. The cursor steps block by block (a division per position, as before,
+// cost more than the prefetches).
 template <typename T, typename Fn>
 void walk(const Paged<T>& h, int64_t start, Fn fn) {
-  for (int64_t p = start, rows; p < h.L; p += rows) {
-    rows = h.take(p);
-    h.prefetch(p + rows, true);
-    if (p + rows < h.L) h.prefetch(p + rows + h.take(p + rows), false);
-    fn(p - start, rows, h.at(p));
+  struct Cursor {
+    int64_t p, b, off, rows;  // position, its block in the table, row in the block; chunk rows
+  };
+  auto chunk = [&](int64_t p, int64_t b, int64_t off) {
+    return Cursor{p, b, off, std::min({h.BS - off, h.L - p, kRows})};
+  };
+  auto next = [&](const Cursor& c) {
+    return c.off + c.rows == h.BS ? chunk(c.p + c.rows, c.b + 1, 0)
+                                  : chunk(c.p + c.rows, c.b, c.off + c.rows);
+  };
+  if (start >= h.L) return;
+  Cursor c = chunk(start, start / h.BS, start % h.BS), c1 = next(c);
+  while (true) {
+    if (c1.p < h.L) {
+      h.prefetch(c1.b, c1.off, c1.rows, true);
+      const Cursor c2 = next(c1);
+      if (c2.p < h.L) h.prefetch(c2.b, c2.off, c2.rows, false);
+    }
+    fn(c.p - start, c.rows, h.at(c.b, c.off));
+    if (c1.p >= h.L) return;
+    c = c1;
+    c1 = next(c);
   }
 }
 
@@ -77,54 +93,119 @@ inline void score_dot(const bf16* q, const bf16* k, int64_t stride, int64_t rows
     vsum8(a, sums);
     for (int r = 0; r < 8; ++r) sc[j + r] = sums[r] * scale;
   }
-  for (; j < rows; ++j, k += stride) {
-    vec a = vzero();
-    for (int64_t i = 0; i < D; i += 32) a = _mm512_dpbf16_ps(a, kload(q, i), kload(k, i));
-    sc[j] = vsum(a) * scale;
-  }
+  if (j == rows) return;
+  vec a[8];  // the last < 8 rows by the same reduction (see score_rows)
+  for (int r = 0; r < 8; ++r) a[r] = vzero();
+  for (int r = 0; r < rows - j; ++r, k += stride)
+    for (int64_t i = 0; i < D; i += 32) a[r] = _mm512_dpbf16_ps(a[r], kload(q, i), kload(k, i));
+  float sums[8];
+  vsum8(a, sums);
+  for (int r = 0; r < rows - j; ++r) sc[j + r] = sums[r] * scale;
 }
 #endif
 
-// The query heads of `kv` adjacent KV heads (from KV head h) of one sequence against its paged
-// K/V history; `heads` query heads per KV head: its whole GQA group, or one head of it. A group
-// reads each K and V row from the cache once, its `kv` heads side by side (one contiguous slice
-// of the cache row), widened into an L1 scratch that all its query heads use; a single query
-// head reads the cache rows directly.
+// The query heads of `kv` adjacent KV heads (from KV head h) of `nrows` token rows of one
+// sequence at consecutive positions (rows `qstride` values apart in q and out; the last row
+// attends positions [.., L), each row before it one fewer) against its paged K/V history;
+// `heads` query heads per KV head: its whole GQA group, or one head of it. Each K and V row is
+// read from the cache once for all of them, the `kv` heads side by side (one contiguous slice
+// of the cache row), widened into an L1 scratch that every query uses; a single query reads
+// the cache rows directly. A row's positions past its own (or before its window) are scored
+// with the others but weigh exactly 0 after its own softmax, so its output is bit for bit what
+// it gets attending alone (every score is reduced by the same tree: see score()).
 template <typename T>
-void attend_group(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t start,
-                  int64_t L, int64_t BS, int64_t Hk, int64_t h, int64_t kv, int64_t D,
-                  int64_t heads, float scale, float* scores, float* buf, float* qf, float* acc,
-                  T* out) {
-  const int64_t row = Hk * D, n = L - start, W = kv * D, nq = kv * heads;
+void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const T* vc,
+                  const int64_t* table, int64_t window, int64_t L, int64_t BS, int64_t Hk,
+                  int64_t h, int64_t kv, int64_t D, int64_t heads, float scale, float* scores,
+                  float* buf, float* qf, float* acc, T* out) {
+  auto first = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; };
+  const int64_t start = first(L - nrows + 1), row = Hk * D, n = L - start, W = kv * D;
+  const int64_t nq = kv * heads, total = nrows * nq;
   const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;  // padded scratch row
   const Paged<T> keys{kc, table, L, BS, row, h * D, W}, values{vc, table, L, BS, row, h * D, W};
-  for (int64_t g = 0; g < nq; ++g) {
+  auto query = [&](int64_t g) { return q + g / nq * qstride + g % nq * D; };
+  auto kv_col = [&](int64_t g) { return g % nq / heads * D; };  // g's KV head in the slice
+  for (int64_t g = 0; g < total; ++g) {
     std::fill(qf + g * Dp, qf + (g + 1) * Dp, 0.f);
-    for (int64_t i = 0; i < D; ++i) qf[g * Dp + i] = to_f(q[g * D + i]) * scale;
+    for (int64_t i = 0; i < D; ++i) qf[g * Dp + i] = to_f(query(g)[i]) * scale;
   }
   walk(keys, start, [&](int64_t at, int64_t rows, const T* k) {
 #ifdef TM_ISA_AVX512_BF16
-    if constexpr (std::is_same_v<T, bf16>) {  // every query head reads the cache rows directly
-      for (int64_t g = 0; g < nq; ++g)
-        score_dot(q + g * D, k + g / heads * D, row, rows, D, scale, scores + g * n + at);
+    if constexpr (std::is_same_v<T, bf16>) {  // every query reads the cache rows directly
+      for (int64_t g = 0; g < total; ++g)
+        score_dot(query(g), k + kv_col(g), row, rows, D, scale, scores + g * n + at);
       return;
     }
 #endif
-    if (nq == 1) return score(qf, k, row, rows, D, scores + at);
+    if (total == 1) return score(qf, k, row, rows, D, scores + at);
     widen_block(k, rows, row, W, buf);
-    for (int64_t g = 0; g < nq; ++g)  // query head g reads KV head g / heads
-      score(qf + g * Dp, buf + g / heads * D, W, rows, D, scores + g * n + at);
+    for (int64_t g = 0; g < total; ++g)
+      score(qf + g * Dp, buf + kv_col(g), W, rows, D, scores + g * n + at);
   });
-  for (int64_t g = 0; g < nq; ++g) softmax(scores + g * n, n);
-  std::fill(acc, acc + nq * Dp, 0.f);
+  for (int64_t g = 0; g < total; ++g) {  // each row's own positions
+    const int64_t len = L - (nrows - 1 - g / nq), off = first(len) - start;
+    float* s = scores + g * n;
+    softmax(s + off, len - start - off);
+    std::fill(s, s + off, 0.f);
+    std::fill(s + (len - start), s + n, 0.f);
+  }
+  std::fill(acc, acc + total * Dp, 0.f);
   walk(values, start, [&](int64_t at, int64_t rows, const T* v) {
-    if (nq == 1) return accumulate_rows(scores + at, v, row, rows, D, acc);
+    if (total == 1) return accumulate_rows(scores + at, v, row, rows, D, acc);
     widen_block(v, rows, row, W, buf);
-    for (int64_t g = 0; g < nq; ++g)
-      accumulate_rows(scores + g * n + at, buf + g / heads * D, W, rows, D, acc + g * Dp);
+    for (int64_t c = 0; c < kv; ++c) {  // the queries of KV head c, up to four at a time
+      const float* sc[4];
+      float* out4[4];
+      int q = 0;
+      auto flush = [&] {
+        if (q == 4) accumulate_queries<4>(sc, buf + c * D, W, rows, D, out4);
+        else if (q == 3) accumulate_queries<3>(sc, buf + c * D, W, rows, D, out4);
+        else if (q == 2) accumulate_queries<2>(sc, buf + c * D, W, rows, D, out4);
+        else if (q == 1) accumulate_queries<1>(sc, buf + c * D, W, rows, D, out4);
+        q = 0;
+      };
+      for (int64_t r = 0; r < nrows; ++r)
+        for (int64_t i = c * heads; i < (c + 1) * heads; ++i) {
+          const int64_t g = r * nq + i;
+          sc[q] = scores + g * n + at;
+          out4[q++] = acc + g * Dp;
+          if (q == 4) flush();
+        }
+      flush();
+    }
   });
-  for (int64_t g = 0; g < nq; ++g)
-    for (int64_t i = 0; i < D; ++i) out[g * D + i] = from_f<T>(acc[g * Dp + i]);
+  for (int64_t g = 0; g < total; ++g) {
+    T* o = out + g / nq * qstride + g % nq * D;
+    for (int64_t i = 0; i < D; ++i) o[i] = from_f<T>(acc[g * Dp + i]);
+  }
+}
+
+// Rows of one sequence at consecutive positions: row b extends the run of row b - 1 when its
+// length is one more and its block table the same over its positions (a sequence verifying
+// drafted tokens, a batch-invariant prefill chunk). Runs are cut to at most `cap` rows and
+// into `pieces` parts where there are few, so that the threads have tasks.
+inline std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* tables,
+                                                          const int64_t* lens, int64_t B,
+                                                          int64_t BS, int64_t max_blocks,
+                                                          int64_t cap, int64_t want) {
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t used = std::min(max_blocks, (lens[b] + BS - 1) / BS);
+    if (b > 0 && lens[b] == lens[b - 1] + 1 &&
+        std::equal(tables + b * max_blocks, tables + b * max_blocks + used,
+                   tables + (b - 1) * max_blocks))
+      ++runs.back().second;
+    else
+      runs.emplace_back(b, 1);
+  }
+  const int64_t pieces = std::max<int64_t>(1, (want + static_cast<int64_t>(runs.size()) - 1) /
+                                                  static_cast<int64_t>(runs.size()));
+  std::vector<std::pair<int64_t, int64_t>> units;
+  for (auto [b, n] : runs) {
+    const int64_t per = std::min(cap, (n + std::min(n, pieces) - 1) / std::min(n, pieces));
+    for (int64_t i = 0; i < n; i += per) units.emplace_back(b + i, std::min(per, n - i));
+  }
+  return units;
 }
 
 template <typename T>
@@ -134,29 +215,39 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
                            float scale) {
   int64_t group = Hq / Hk, longest = 0, total = 0;
   for (int64_t b = 0; b < B; ++b) { longest = std::max(longest, lens[b]); total += lens[b]; }
-  // Tasks: with many sequences, one per (sequence, KV heads whose cache row slice fits the
-  // scratch), which reads each cache row as one contiguous run; with fewer, one per (sequence,
-  // KV head), or per (sequence, query head) when even those are too few for the threads. One
-  // KV head shared by many query heads (MLA's latent rows) keeps whole groups as soon as there
-  // is a sequence per thread: each cache row is then read once for all its heads. A step with
-  // little work stays on the calling thread.
-  int64_t threads = g_threads, kv = 1;
-  int64_t heads = B * Hk >= 4 * threads || (Hk == 1 && group >= 8 && B >= threads) ? group : 1;
-  if (B >= 4 * threads)
+  // Units: runs of rows of one sequence (row_runs), each read once per task for all its rows;
+  // a run's whole GQA groups share a task, at most 32 queries
+  int64_t threads = g_threads;
+  const auto units = row_runs(tables, lens, B, BS, max_blocks, std::max<int64_t>(1, 32 / group),
+                              (2 * threads + Hk - 1) / Hk);
+  const int64_t U = static_cast<int64_t>(units.size());
+  int64_t unit_rows = 1;
+  for (auto [b, n] : units) unit_rows = std::max(unit_rows, n);
+  // Tasks: with many units, one per (unit, KV heads whose cache row slice fits the scratch),
+  // which reads each cache row as one contiguous run; with fewer, one per (unit, KV head), or
+  // per (unit, query head) when even those are too few for the threads (single rows only).
+  // One KV head shared by many query heads (MLA's latent rows) keeps whole groups as soon as
+  // there is a unit per thread: each cache row is then read once for all its heads. A step
+  // with little work stays on the calling thread.
+  int64_t kv = 1;
+  int64_t heads = U * Hk >= 4 * threads || unit_rows > 1 || (Hk == 1 && group >= 8 && U >= threads)
+                      ? group : 1;
+  if (U >= 4 * threads && unit_rows == 1)
     for (int64_t k = Hk; k > 1; --k)
       if (Hk % k == 0 && k * D <= kMaxHeadDim) { kv = k; break; }
-  int64_t tasks = B * Hq / (heads * kv), per_task = heads * kv;
+  int64_t per_task = heads * kv, tasks = U * Hq / per_task;
   int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
-  int64_t work = std::max<int64_t>(1, total / B * D * per_task / 8);
+  int64_t work = std::max<int64_t>(1, total / B * D * per_task * unit_rows / 8);
   parallel_for(0, tasks, std::max<int64_t>(1, (1 << 14) / work), [&](int64_t j0, int64_t j1) {
-    std::vector<float> scores(longest * per_task), buf(kRows * kv * D + kLanes),
-        qf(per_task * Dp), acc(per_task * Dp);
+    const int64_t queries = per_task * unit_rows;
+    std::vector<float> scores(longest * queries), buf(kRows * kv * D + kLanes),
+        qf(queries * Dp), acc(queries * Dp);
     for (int64_t j = j0; j < j1; ++j) {
-      int64_t b = j * per_task / Hq, hq = j * per_task % Hq, L = lens[b];
-      int64_t start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-      attend_group(q + (b * Hq + hq) * D, kc, vc, tables + b * max_blocks, start, L, BS, Hk,
-                   hq / group, kv, D, heads, scale, scores.data(), buf.data(), qf.data(),
-                   acc.data(), out + (b * Hq + hq) * D);
+      auto [b, n] = units[j * per_task / Hq];
+      const int64_t hq = j * per_task % Hq, last = b + n - 1;
+      attend_group(q + (b * Hq + hq) * D, Hq * D, n, kc, vc, tables + last * max_blocks, window,
+                   lens[last], BS, Hk, hq / group, kv, D, heads, scale, scores.data(),
+                   buf.data(), qf.data(), acc.data(), out + (b * Hq + hq) * D);
     }
   });
 }

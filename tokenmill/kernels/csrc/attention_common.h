@@ -11,10 +11,13 @@ constexpr int64_t kRows = 16;  // cache rows handled (and prefetched) at a time
 
 // s[i] = exp(s[i] - max) in place over n scores; *mx_out = the max, returns the sum
 inline float exp_shifted(float* s, int64_t n, float* mx_out) {
-  float mx = -INFINITY;
-  for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
-  vec m = vset1(mx), sum = vzero();
+  vec vm = vset1(-INFINITY);  // the max in vectors (one scalar chain was most of the time)
   int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) vm = vmax(vm, vload(s + i));
+  float mx = vhmax(vm);
+  for (; i < n; ++i) mx = std::max(mx, s[i]);
+  vec m = vset1(mx), sum = vzero();
+  i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     vec e = vexp(vsub(vload(s + i), m));
     vstore(s + i, e);
@@ -37,7 +40,7 @@ inline void softmax(float* s, int64_t n) {
 }
 
 // sc[j] = qf . k[j] for `rows` key rows (stride `stride`): eight rows at a time, eight
-// independent FMA chains reduced together. qf is zero-padded to whole vectors. DV > 0: head_dim
+// independent FMA chains reduced together (vsum8), the last rows too. qf is zero-padded to whole vectors. DV > 0: head_dim
 // is DV whole vectors (the common sizes), so the loops unroll and the sums stay in registers.
 template <int DV, typename R>
 void score_rows(const float* qf, const R* k, int64_t stride, int64_t rows, int64_t D, float* sc) {
@@ -55,13 +58,17 @@ void score_rows(const float* qf, const R* k, int64_t stride, int64_t rows, int64
       for (int r = 0; r < 8; ++r) a[r] = vfma(vload(qf + full), vload_part(k + r * stride + full, tail), a[r]);
     vsum8(a, sc + j);
   }
-  for (; j < rows; ++j, k += stride) {
-    vec a = vzero();
+  if (j == rows) return;
+  vec a[8];  // the last < 8 rows: summed by the same tree as the others (vsum8), so a row's
+  for (int r = 0; r < 8; ++r) a[r] = vzero();  // score does not depend on its place in a chunk
+  for (int r = 0; r < rows - j; ++r, k += stride) {
 #pragma GCC unroll 16
-    for (int64_t i = 0; i < full; i += kLanes) a = vfma(vload(qf + i), vload(k + i), a);
-    if (!DV && tail) a = vfma(vload(qf + full), vload_part(k + full, tail), a);
-    sc[j] = vsum(a);
+    for (int64_t i = 0; i < full; i += kLanes) a[r] = vfma(vload(qf + i), vload(k + i), a[r]);
+    if (!DV && tail) a[r] = vfma(vload(qf + full), vload_part(k + full, tail), a[r]);
   }
+  float sums[8];
+  vsum8(a, sums);
+  std::copy(sums, sums + (rows - j), sc + j);
 }
 
 template <typename R>
@@ -75,31 +82,48 @@ void score(const float* qf, const R* k, int64_t stride, int64_t rows, int64_t D,
   }
 }
 
-// acc[0 : U vectors] += sum_j sc[j] * v[j][same columns]: U accumulators stay in registers
-// across the rows (independent FMA chains); kPart loads only `part` < kLanes columns.
-template <int U, bool kPart = false, typename R>
-void accumulate_cols(const float* sc, const R* v, int64_t stride, int64_t rows, float* acc,
-                     int64_t part = kLanes) {
-  vec a[U];
-  for (int u = 0; u < U; ++u) a[u] = vload(acc + u * kLanes);
+// For each of Q queries q reading the same value rows: acc_q[0 : U vectors] += sum_j sc_q[j] *
+// v[j][same columns]. Each row's U vectors are loaded once for all the queries, and the U x Q
+// accumulators stay in registers across the rows (independent FMA chains: one query's U
+// chains alone wait on the FMA latency); each query's sums run in row order, as alone. kPart
+// loads only `part` < kLanes columns.
+template <int U, int Q, bool kPart = false, typename R>
+void accumulate_cols(const float* const* sc, const R* v, int64_t stride, int64_t rows,
+                     float* const* acc, int64_t col, int64_t part = kLanes) {
+  vec a[Q][U];
+  for (int g = 0; g < Q; ++g)
+    for (int u = 0; u < U; ++u) a[g][u] = vload(acc[g] + col + u * kLanes);
   for (int64_t j = 0; j < rows; ++j, v += stride) {
-    vec s = vset1(sc[j]);
+    vec x[U];
     for (int u = 0; u < U; ++u)
-      a[u] = vfma(s, kPart ? vload_part(v + u * kLanes, part) : vload(v + u * kLanes), a[u]);
+      x[u] = kPart ? vload_part(v + col + u * kLanes, part) : vload(v + col + u * kLanes);
+    for (int g = 0; g < Q; ++g) {
+      vec s = vset1(sc[g][j]);
+      for (int u = 0; u < U; ++u) a[g][u] = vfma(s, x[u], a[g][u]);
+    }
   }
-  for (int u = 0; u < U; ++u) vstore(acc + u * kLanes, a[u]);
+  for (int g = 0; g < Q; ++g)
+    for (int u = 0; u < U; ++u) vstore(acc[g] + col + u * kLanes, a[g][u]);
+}
+
+// acc_q += sum_j sc_q[j] * v[j] for Q queries (Q <= 4) of the same `rows` value rows (stride
+// `stride`); acc padded to whole vectors
+template <int Q, typename R>
+void accumulate_queries(const float* const* sc, const R* v, int64_t stride, int64_t rows,
+                        int64_t D, float* const* acc) {
+  constexpr int U = Q > 2 ? 4 : 8;  // at most 16 accumulators
+  int64_t i = 0;
+  for (; i + U * kLanes <= D; i += U * kLanes) accumulate_cols<U, Q>(sc, v, stride, rows, acc, i);
+  for (; i + 4 * kLanes <= D; i += 4 * kLanes) accumulate_cols<4, Q>(sc, v, stride, rows, acc, i);
+  for (; i + kLanes <= D; i += kLanes) accumulate_cols<1, Q>(sc, v, stride, rows, acc, i);
+  if (i < D) accumulate_cols<1, Q, true>(sc, v, stride, rows, acc, i, D - i);
 }
 
 // acc += sum_j sc[j] * v[j] for `rows` value rows (stride `stride`); acc padded to whole vectors
 template <typename R>
 void accumulate_rows(const float* sc, const R* v, int64_t stride, int64_t rows, int64_t D,
                      float* acc) {
-  int64_t i = 0;
-  for (; i + 8 * kLanes <= D; i += 8 * kLanes)
-    accumulate_cols<8>(sc, v + i, stride, rows, acc + i);
-  for (; i + 4 * kLanes <= D; i += 4 * kLanes) accumulate_cols<4>(sc, v + i, stride, rows, acc + i);
-  for (; i + kLanes <= D; i += kLanes) accumulate_cols<1>(sc, v + i, stride, rows, acc + i);
-  if (i < D) accumulate_cols<1, true>(sc, v + i, stride, rows, acc + i, D - i);
+  accumulate_queries<1>(&sc, v, stride, rows, D, &acc);
 }
 
 }  // namespace tm
