@@ -112,13 +112,21 @@ def test_step_cost_interpolates_and_never_decreases():
     assert cost.seconds == [1.0, 1.2, 1.2, 2.0]
     assert cost(1) == 1.0 and cost(2) == pytest.approx(1.0 + 0.2 / 3)
     assert cost(12) == pytest.approx(1.6) and cost(32) == pytest.approx(3.6)  # last slope
-    for rows in (1, 4, 16) * 20:  # real steps: twice the measured forward time, + 0.5
-        cost.observe(rows, 2 * cost.forward(rows) + 0.5)
-    assert cost.scale == pytest.approx(2.0) and cost.overhead == pytest.approx(0.5)
+    for rows in (1, 1, 1, 1) * 20:  # one row count only: what it takes beyond the forward
+        cost.observe(rows, cost.forward(rows) + 0.3)
+    assert cost.per_row == 0 and cost.overhead == pytest.approx(0.3)
+    for rows in (1, 4, 16) * 90:  # real steps: the forward, + 0.5, + 0.1 a row beyond the first
+        cost.observe(rows, cost.forward(rows) + 0.5 + 0.1 * (rows - 1))
+    assert cost.per_row == pytest.approx(0.1) and cost.overhead == pytest.approx(0.5)
+    assert cost(8) == pytest.approx(1.2 + 0.5 + 0.7)
     cost.observe(1, 50.0)  # one slow step (a long prompt indexed) is clipped
-    assert cost(1) < 2.7
+    assert cost(1) < 1.6
     assert StepCost([2], [2.0])(4) == 4.0
-    assert StepCost.measure(lambda r: 0.1 * r, 10).rows == [1, 2, 3, 4, 6, 8, 10]
+    calls = []
+    slow_first = StepCost.measure(lambda r: calls.append(r) or (9.0 if len(calls) == 1 else r),
+                                  10)
+    assert slow_first.rows == [1, 2, 3, 4, 6, 8, 10] and slow_first.seconds[0] == 1.0
+    assert calls == slow_first.rows * 3  # each count once per round: a slow spell hits all
 
 
 def test_planner_keeps_drafts_that_pay_for_themselves():

@@ -107,7 +107,7 @@ class SpecDecoder:
 @torch.inference_mode()
 def measure_step_cost(runner, kv_manager, max_rows: int, context: int = 128) -> StepCost | None:
     """Seconds of a decode step of the target by its number of rows (one sequence at
-    `context` tokens verifying rows - 1 drafts), best of three after a warm-up."""
+    `context` tokens verifying rows - 1 drafts), best of three rounds after a warm-up."""
     max_rows = min(max_rows, MAX_MEASURED_ROWS)
     seq = Sequence([1] * context, SamplingParams(max_tokens=1))
     if not kv_manager.can_allocate(seq, context + max_rows):
@@ -117,12 +117,9 @@ def measure_step_cost(runner, kv_manager, max_rows: int, context: int = 128) -> 
 
     def seconds(rows: int) -> float:
         seq.spec_token_ids = [1] * (rows - 1)
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            runner.run([(seq, rows)], range(rows))
-            best = min(best, time.perf_counter() - start)
-        return best
+        start = time.perf_counter()
+        runner.run([(seq, rows)], range(rows))
+        return time.perf_counter() - start
 
     try:
         seconds(max_rows)  # warm-up

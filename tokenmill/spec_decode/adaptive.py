@@ -14,8 +14,8 @@ weighs each draft's chance of being accepted against the step's measured cost:
   rejections), counts that decay, smoothed toward the engine's running rate so a new kind
   starts from what the workload has shown); draft i is accepted with probability alpha^i;
 - drafts are taken best first while they raise the step's expected tokens per second, by a
-  margin: (tokens + alpha^i / 1.1) / cost(rows + 1) > tokens / cost(rows); when not even the
-  likeliest draft would, nothing is proposed (proposing has its own small cost).
+  margin: (tokens + alpha^i / 1.1) / cost(rows + 1) > tokens / cost(rows); when not even a
+  certain draft would (a large batch), nothing is proposed (proposing has its own small cost).
 A sequence whose drafts fail thus drafts less and less, down to none, and the engine never
 pays much for speculation that does not work; the same rule keeps drafts short in big batches.
 A sequence that has had proposals but no draft for EXPLORE steps verifies one draft anyway, so
@@ -39,22 +39,25 @@ PRIOR = 2.0  # pseudo-counts pulling a sequence's alpha toward the engine's rate
 
 class StepCost:
     """Seconds of an engine step with r decode rows. The forward pass is measured at start
-    (made non-decreasing from the right: a slow outlier is lowered to what more rows took,
-    rather than raising every larger count); the engine's real steps then calibrate it: their
-    seconds are fit as scale x forward(r) + overhead over the recent steps (real contexts are
-    longer than the measurement's, and each row adds sampling work), by least squares on
-    observations clipped to 3x the prediction (a step that indexed a long prompt is not
-    typical)."""
+    (every row count once per round, the best of the rounds, so a slow spell hits all counts
+    alike; made non-decreasing from the right: a slow outlier is lowered to what more rows
+    took, rather than raising every larger count); the engine's real steps then calibrate it:
+    what they take beyond forward(r) is fit as overhead + per_row x (r - 1) over the recent
+    steps (each row adds sampling work, and real contexts are longer than the measurement's:
+    attention per row), by least squares on observations clipped to 3x the prediction (a step
+    that indexed a long prompt is not typical). A scale on forward(r) was fit before: the
+    measured forward is flat from 1 to 3 rows while real steps are not, so the scale came out
+    at several x and priced every longer draft out."""
 
     def __init__(self, rows: list[int], seconds: list[float]) -> None:
         self.rows = list(rows)
         self.seconds = [min(seconds[i:]) for i in range(len(seconds))]
-        self.scale, self.overhead = 1.0, 0.0
+        self.overhead, self.per_row = 0.0, 0.0
         self.recent: deque[tuple[float, float]] = deque(maxlen=OBSERVED_STEPS)
         self.sums = (0, 0.0, 0.0, 0.0, 0.0)
 
     def __call__(self, r: int) -> float:
-        return self.scale * self.forward(r) + self.overhead
+        return self.forward(r) + self.overhead + self.per_row * (max(r, 1) - 1)
 
     def forward(self, r: int) -> float:
         rows, secs = self.rows, self.seconds
@@ -66,17 +69,16 @@ class StepCost:
 
     def observe(self, rows: int, seconds: float) -> None:
         """A whole engine step of `rows` decode rows took `seconds`."""
-        f = self.forward(rows)
-        point = (f, min(seconds, 3 * self(rows)))
+        point = (max(rows, 1) - 1.0, min(seconds, 3 * self(rows)) - self.forward(rows))
         if len(self.recent) == self.recent.maxlen:
             self._add(self.recent[0], -1)
         self.recent.append(point)
         self._add(point, 1)
         n, sx, sy, sxx, sxy = self.sums
         var = sxx - sx * sx / n
-        if var > 1e-4 * sx * sx / n:  # several row counts seen: fit the slope too
-            self.scale = max((sxy - sx * sy / n) / var, 0.5)
-        self.overhead = max((sy - self.scale * sx) / n, 0.0)
+        if var > 0.1 * n:  # steps of several row counts seen: fit the cost of a row too
+            self.per_row = max((sxy - sx * sy / n) / var, 0.0)
+        self.overhead = max((sy - self.per_row * sx) / n, 0.0)
 
     def _add(self, point: tuple[float, float], sign: int) -> None:
         """Running sums (count, x, y, xx, xy) of the recent points, kept per step instead of
@@ -87,10 +89,15 @@ class StepCost:
                      sxy + sign * x * y)
 
     @classmethod
-    def measure(cls, time_rows: Callable[[int], float], max_rows: int) -> StepCost:
+    def measure(cls, time_rows: Callable[[int], float], max_rows: int,
+                rounds: int = 3) -> StepCost:
+        """time_rows(r): seconds of one forward pass of r rows."""
         ladder = sorted({r for r in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
                          if r < max_rows} | {max_rows})
-        return cls(ladder, [time_rows(r) for r in ladder])
+        best = [float("inf")] * len(ladder)
+        for _ in range(rounds):
+            best = [min(b, time_rows(r)) for b, r in zip(best, ladder)]
+        return cls(ladder, best)
 
 
 @dataclass
@@ -114,13 +121,14 @@ class DraftPlanner:
         return (s.accepted + PRIOR * rate) / (s.accepted + s.rejected + PRIOR)
 
     def worthwhile(self, base_rows: int) -> bool:
-        """Whether a draft could pay at all this step (the likeliest kind's first draft);
-        when not, the engine skips proposing."""
+        """Whether a draft could pay at all this step (a certain one: a row's cost against a
+        token); when not, the engine skips proposing. (Judged by the likeliest kind's rate
+        before, a few early rejections could switch speculation off for good: with no drafts,
+        no rate recovers.)"""
         if self.cost is None:
             return True
-        best = max((self.alpha(kind) for kind in self.kinds), default=1.0)
         rows = max(base_rows, 1)
-        return (rows + best / MARGIN) * self.cost(rows) > rows * self.cost(rows + 1)
+        return (rows + 1 / MARGIN) * self.cost(rows) > rows * self.cost(rows + 1)
 
     def plan(self, proposals: dict[int, tuple[int, int]], base_rows: int) -> dict[int, int]:
         """Drafts to keep per sequence of its proposal (count, kind), with base_rows rows in
