@@ -153,6 +153,16 @@ def test_drafts_of_failing_kinds_are_dropped_first():
     assert keep[1] > keep[3] > keep[2] == 0  # kind 3 is new: the engine's mixed rate
 
 
+def test_failing_drafts_never_switch_proposing_off_where_rows_are_cheap():
+    planner = DraftPlanner(4, StepCost([1, 8, 64], [1.0, 1.1, 10.0]))
+    for _ in range(50):  # every kind's drafts rejected for a while
+        planner.record(2, 4, 0)
+        planner.record(5, 4, 0)
+    assert planner.alpha(5) < 0.1
+    assert planner.worthwhile(base_rows=1)  # still proposed: the planner and EXPLORE decide
+    assert not DraftPlanner(4, StepCost([1, 64], [1.0, 64.0])).worthwhile(base_rows=16)
+
+
 def test_a_sequence_without_drafts_for_long_tries_one():
     planner = DraftPlanner(4, StepCost([1, 64], [1.0, 64.0]))  # drafts never pay here
     kept = [planner.plan({7: (4, 0)}, base_rows=1)[7] for _ in range(EXPLORE)]
