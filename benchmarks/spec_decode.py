@@ -39,6 +39,8 @@ CONFIGS = {
     "none": None,
     "ngram k8 n2-8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 2,
                       "prompt_lookup_max": 8},
+    "ngram k8 n1-8": {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1,
+                      "prompt_lookup_max": 8},
     "ngram k4 n4 (vLLM's defaults)": {"method": "ngram", "num_speculative_tokens": 4,
                                       "prompt_lookup_max": 4},
     "suffix k8": {"method": "suffix", "num_speculative_tokens": 8},

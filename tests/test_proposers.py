@@ -112,14 +112,17 @@ def test_step_cost_interpolates_and_never_decreases():
     assert cost.seconds == [1.0, 1.2, 1.2, 2.0]
     assert cost(1) == 1.0 and cost(2) == pytest.approx(1.0 + 0.2 / 3)
     assert cost(12) == pytest.approx(1.6) and cost(32) == pytest.approx(3.6)  # last slope
-    for rows in (1, 1, 1, 1) * 20:  # one row count only: what it takes beyond the forward
-        cost.observe(rows, cost.forward(rows) + 0.3)
-    assert cost.per_row == 0 and cost.overhead == pytest.approx(0.3)
-    for rows in (1, 4, 16) * 90:  # real steps: the forward, + 0.5, + 0.1 a row beyond the first
-        cost.observe(rows, cost.forward(rows) + 0.5 + 0.1 * (rows - 1))
-    assert cost.per_row == pytest.approx(0.1) and cost.overhead == pytest.approx(0.5)
-    assert cost(8) == pytest.approx(1.2 + 0.5 + 0.7)
-    cost.observe(1, 50.0)  # one slow step (a long prompt indexed) is clipped
+    for _ in range(80):  # one row count only: what it takes beyond the forward
+        cost.observe(1, 1, cost.forward(1) + 0.3)
+    assert cost.per_seq == cost.per_draft == 0 and cost.overhead == pytest.approx(0.3)
+    # real steps: the forward, + 0.5, + 0.3 a sequence beyond the first, + 0.1 a draft
+    for seqs, drafts in [(1, 0), (1, 3), (4, 0), (4, 8), (16, 0), (16, 4), (8, 8)] * 40:
+        rows = seqs + drafts
+        cost.observe(rows, seqs, cost.forward(rows) + 0.5 + 0.3 * (seqs - 1) + 0.1 * drafts)
+    assert cost.per_seq == pytest.approx(0.3) and cost.per_draft == pytest.approx(0.1)
+    assert cost.overhead == pytest.approx(0.5)
+    assert cost(8, 4) == pytest.approx(1.2 + 0.5 + 0.9 + 0.4)
+    cost.observe(1, 1, 50.0)  # one slow step (a long prompt indexed) is clipped
     assert cost(1) < 1.6
     assert StepCost([2], [2.0])(4) == 4.0
     calls = []

@@ -269,7 +269,8 @@ class LLMEngine:
                     self.spec.finished(req.seqs)
             outputs.append(req.output())
         if self.spec is not None and decode_only:
-            self.spec.observe_step(sched.num_batched_tokens, time.perf_counter() - start)
+            self.spec.observe_step(sched.num_batched_tokens, len(sched.scheduled),
+                                   time.perf_counter() - start)
         return outputs
 
     def _verified(self, seq: Sequence, req: Request, accepted: int) -> None:

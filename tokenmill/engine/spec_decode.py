@@ -85,10 +85,11 @@ class SpecDecoder:
         self.accepted_counts[accepted] += 1
         self.planner.record(self.kinds.pop(seq.seq_id, 0), drafted, accepted)
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A whole engine step of decode rows only took `seconds` (the planner's cost)."""
+    def observe_step(self, rows: int, seqs: int, seconds: float) -> None:
+        """A whole engine step of decode rows only (`seqs` sequences' own, the rest drafts)
+        took `seconds` (the planner's cost)."""
         if self.planner.cost is not None:
-            self.planner.cost.observe(rows, seconds)
+            self.planner.cost.observe(rows, seqs, seconds)
 
     def finished(self, seqs: list[Sequence]) -> None:
         """Requests that ended (finished or aborted): forget their sequences."""

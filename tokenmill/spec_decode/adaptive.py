@@ -38,26 +38,32 @@ PRIOR = 2.0  # pseudo-counts pulling a sequence's alpha toward the engine's rate
 
 
 class StepCost:
-    """Seconds of an engine step with r decode rows. The forward pass is measured at start
+    """Seconds of an engine step with r decode rows, of which `seqs` are sequences' own rows
+    and the rest drafts. The forward pass of one sequence with r rows is measured at start
     (every row count once per round, the best of the rounds, so a slow spell hits all counts
     alike; made non-decreasing from the right: a slow outlier is lowered to what more rows
     took, rather than raising every larger count); the engine's real steps then calibrate it:
-    what they take beyond forward(r) is fit as overhead + per_row x (r - 1) over the recent
-    steps (each row adds sampling work, and real contexts are longer than the measurement's:
-    attention per row), by least squares on observations clipped to 3x the prediction (a step
-    that indexed a long prompt is not typical). A scale on forward(r) was fit before: the
-    measured forward is flat from 1 to 3 rows while real steps are not, so the scale came out
-    at several x and priced every longer draft out."""
+    what they take beyond forward(r) is fit as overhead + per_seq x (seqs - 1) + per_draft x
+    drafts over the recent steps, by least squares on observations clipped to 3x the
+    prediction (a step that indexed a long prompt is not typical). A sequence's row costs more
+    than the measurement's (its own history to attend, at real lengths) and a draft row less
+    (it attends its sequence's history, read once for all its rows) but more than at the
+    measurement's short context; both add sampling work. (A scale on forward(r) fit before
+    came out at several x, the measured forward being flat from 1 to 3 rows while real steps
+    are not, and priced every longer draft out.)"""
 
     def __init__(self, rows: list[int], seconds: list[float]) -> None:
         self.rows = list(rows)
         self.seconds = [min(seconds[i:]) for i in range(len(seconds))]
-        self.overhead, self.per_row = 0.0, 0.0
-        self.recent: deque[tuple[float, float]] = deque(maxlen=OBSERVED_STEPS)
-        self.sums = (0, 0.0, 0.0, 0.0, 0.0)
+        self.overhead, self.per_seq, self.per_draft = 0.0, 0.0, 0.0
+        self.recent: deque[tuple[float, float, float]] = deque(maxlen=OBSERVED_STEPS)
+        self.sums = [0.0] * 9  # n, x1, x2, y, x1x1, x2x2, x1x2, x1y, x2y
 
-    def __call__(self, r: int) -> float:
-        return self.forward(r) + self.overhead + self.per_row * (max(r, 1) - 1)
+    def __call__(self, r: int, seqs: int | None = None) -> float:
+        r = max(r, 1)
+        seqs = r if seqs is None else min(max(seqs, 1), r)
+        return (self.forward(r) + self.overhead + self.per_seq * (seqs - 1)
+                + self.per_draft * (r - seqs))
 
     def forward(self, r: int) -> float:
         rows, secs = self.rows, self.seconds
@@ -67,26 +73,37 @@ class StepCost:
         r0, r1, s0, s1 = rows[i - 1], rows[i], secs[i - 1], secs[i]
         return max(s0 + (s1 - s0) * (r - r0) / (r1 - r0), secs[0])
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A whole engine step of `rows` decode rows took `seconds`."""
-        point = (max(rows, 1) - 1.0, min(seconds, 3 * self(rows)) - self.forward(rows))
+    def observe(self, rows: int, seqs: int, seconds: float) -> None:
+        """A whole engine step of `rows` decode rows, `seqs` sequences' own, took `seconds`."""
+        point = (seqs - 1.0, rows - seqs + 0.0,
+                 min(seconds, 3 * self(rows, seqs)) - self.forward(rows))
         if len(self.recent) == self.recent.maxlen:
             self._add(self.recent[0], -1)
         self.recent.append(point)
         self._add(point, 1)
-        n, sx, sy, sxx, sxy = self.sums
-        var = sxx - sx * sx / n
-        if var > 0.1 * n:  # steps of several row counts seen: fit the cost of a row too
-            self.per_row = max((sxy - sx * sy / n) / var, 0.0)
-        self.overhead = max((sy - self.per_row * sx) / n, 0.0)
+        n, s1, s2, sy, s11, s22, s12, s1y, s2y = self.sums
+        v11, v22, v12 = s11 - s1 * s1 / n, s22 - s2 * s2 / n, s12 - s1 * s2 / n
+        w1, w2 = s1y - s1 * sy / n, s2y - s2 * sy / n
+        seen1, seen2 = v11 > 0.1 * n, v22 > 0.1 * n  # several sequence / draft counts seen
+        c = b = 0.0
+        if seen1 and seen2 and v11 * v22 - v12 * v12 > 1e-3 * v11 * v22:
+            det = v11 * v22 - v12 * v12
+            c, b = (w1 * v22 - w2 * v12) / det, (w2 * v11 - w1 * v12) / det
+        if not (c >= 0 and b >= 0):  # one alone (the other's count did not vary, or < 0)
+            c = b = 0.0
+            if seen2 and w2 > 0:
+                b = w2 / v22
+            elif seen1 and w1 > 0:
+                c = w1 / v11
+        self.per_seq, self.per_draft = c, b
+        self.overhead = max((sy - c * s1 - b * s2) / n, 0.0)
 
-    def _add(self, point: tuple[float, float], sign: int) -> None:
-        """Running sums (count, x, y, xx, xy) of the recent points, kept per step instead of
-        summing the window again (the fit runs after every decode step)."""
-        x, y = point
-        n, sx, sy, sxx, sxy = self.sums
-        self.sums = (n + sign, sx + sign * x, sy + sign * y, sxx + sign * x * x,
-                     sxy + sign * x * y)
+    def _add(self, point: tuple[float, float, float], sign: int) -> None:
+        """Running sums of the recent points, kept per step instead of summing the window again
+        (the fit runs after every decode step)."""
+        x1, x2, y = point
+        for i, v in enumerate((1.0, x1, x2, y, x1 * x1, x2 * x2, x1 * x2, x1 * y, x2 * y)):
+            self.sums[i] += sign * v
 
     @classmethod
     def measure(cls, time_rows: Callable[[int], float], max_rows: int,
@@ -128,7 +145,7 @@ class DraftPlanner:
         if self.cost is None:
             return True
         rows = max(base_rows, 1)
-        return (rows + 1 / MARGIN) * self.cost(rows) > rows * self.cost(rows + 1)
+        return (rows + 1 / MARGIN) * self.cost(rows) > rows * self.cost(rows + 1, rows)
 
     def plan(self, proposals: dict[int, tuple[int, int]], base_rows: int) -> dict[int, int]:
         """Drafts to keep per sequence of its proposal (count, kind), with base_rows rows in
@@ -139,9 +156,11 @@ class DraftPlanner:
                         proposals.items() for i in range(min(n, self.max_length))),
                        reverse=True)
         keep = dict.fromkeys(proposals, 0)
-        tokens, rows = float(max(base_rows, 1)), max(base_rows, 1)
+        base = max(base_rows, 1)
+        tokens, rows = float(base), base
         for gain, sid in gains:
-            if (tokens + gain / MARGIN) * self.cost(rows) <= tokens * self.cost(rows + 1):
+            now, more = self.cost(rows, base), self.cost(rows + 1, base)
+            if (tokens + gain / MARGIN) * now <= tokens * more:
                 break
             keep[sid] += 1
             tokens += gain
