@@ -107,6 +107,21 @@ def test_suffix_cache_forgets_the_oldest_requests():
     assert all(count > 0 for row in proposer.shared.counts.values() for count in row.values())
 
 
+def test_context_keys_are_distinct_untracked_ints():
+    import gc
+
+    from tokenmill.spec_decode.ngram import NgramIndex
+    from tokenmill.spec_decode.proposal import KEY_BITS, context_keys
+
+    keys = [context_keys(t, len(t), len(t))[-1] for t in ([5], [0, 5], [0, 0, 5], [5, 0],
+                                                          [2**KEY_BITS - 1, 1])]
+    assert len(set(keys)) == len(keys)  # a leading 0 token still makes another context
+    index = NgramIndex(1, 4)
+    index.extend(list(range(100)) * 3)
+    # no key the garbage collector tracks: an index of tuples made full collections frequent
+    assert index.ends and not any(gc.is_tracked(k) for k in index.ends)
+
+
 def test_step_cost_interpolates_and_never_decreases():
     cost = StepCost([1, 4, 8, 16], [1.0, 1.6, 1.2, 2.0])  # a slow outlier at 4 rows
     assert cost.seconds == [1.0, 1.2, 1.2, 2.0]

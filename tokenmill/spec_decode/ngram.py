@@ -7,31 +7,33 @@ from __future__ import annotations
 
 from tokenmill.engine.sequence import Sequence
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.spec_decode.proposal import Proposal
+from tokenmill.spec_decode.proposal import Proposal, context_keys
 
 
 class NgramIndex:
-    """For every n in [lo, hi]: n-gram -> end position (exclusive) of its latest occurrence
-    that has a next token."""
+    """For every n in [lo, hi]: n-gram (its context_keys key) -> end position (exclusive) of
+    its latest occurrence that has a next token."""
 
     def __init__(self, lo: int, hi: int) -> None:
         self.lo, self.hi = lo, hi
-        self.ends: dict[tuple[int, ...], int] = {}
+        self.ends: dict[int, int] = {}
         self.indexed = 0  # positions e < indexed are in the index
 
     def extend(self, tokens: list[int]) -> None:
         """Index every end e < len(tokens): each has its next token, tokens[e]."""
         for e in range(max(self.indexed, self.lo), len(tokens)):
-            for n in range(self.lo, min(self.hi, e) + 1):
-                self.ends[tuple(tokens[e - n: e])] = e
+            keys = context_keys(tokens, e, min(self.hi, e))
+            for n in range(self.lo, len(keys) + 1):
+                self.ends[keys[n - 1]] = e
         self.indexed = max(self.indexed, len(tokens))
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], int]:
         """What followed the latest earlier occurrence of the longest suffix of tokens, and
         that suffix's length (0: no match)."""
         self.extend(tokens)
-        for n in range(min(self.hi, len(tokens) - 1), self.lo - 1, -1):
-            end = self.ends.get(tuple(tokens[len(tokens) - n:]))
+        keys = context_keys(tokens, len(tokens), min(self.hi, len(tokens) - 1))
+        for n in range(len(keys), self.lo - 1, -1):
+            end = self.ends.get(keys[n - 1])
             if end is not None:
                 return tokens[end: end + k], n
         return [], 0

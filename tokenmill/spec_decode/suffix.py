@@ -11,17 +11,17 @@ from collections import OrderedDict
 
 from tokenmill.engine.sequence import Sequence
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.spec_decode.proposal import Proposal
+from tokenmill.spec_decode.proposal import Proposal, context_keys
 
 MAX_KIND = 16  # matched lengths beyond this are one kind for the planner's statistics
 
 
 class SuffixIndex:
-    """context (a tuple of 1..depth tokens) -> {next token: count}."""
+    """context (1..depth tokens, as its context_keys key) -> {next token: count}."""
 
     def __init__(self, depth: int) -> None:
         self.depth = depth
-        self.counts: dict[tuple[int, ...], dict[int, int]] = {}
+        self.counts: dict[int, dict[int, int]] = {}
         self.indexed = 0
 
     def add(self, tokens: list[int], sign: int = 1) -> None:
@@ -29,8 +29,7 @@ class SuffixIndex:
         a sequence counted before)."""
         for e in range(max(self.indexed, 1), len(tokens)):
             nxt = tokens[e]
-            for n in range(1, min(self.depth, e) + 1):
-                key = tuple(tokens[e - n: e])
+            for key in context_keys(tokens, e, min(self.depth, e)):
                 row = self.counts.setdefault(key, {})
                 row[nxt] = row.get(nxt, 0) + sign
                 if row[nxt] <= 0:
@@ -43,8 +42,9 @@ class SuffixIndex:
 def _match(indexes: list[SuffixIndex], ctx: list[int], longest: int) -> tuple[int, dict]:
     """The longest suffix of ctx (at most `longest` tokens) some index knows, and the merged
     next-token counts after it."""
-    for n in range(min(longest, len(ctx)), 0, -1):
-        key = tuple(ctx[len(ctx) - n:])
+    keys = context_keys(ctx, len(ctx), min(longest, len(ctx)))
+    for n in range(len(keys), 0, -1):
+        key = keys[n - 1]
         rows = [ix.counts[key] for ix in indexes if key in ix.counts]
         if rows:
             merged: dict[int, int] = {}
@@ -77,7 +77,7 @@ class SuffixProposer:
         indexes = [index, self.shared] if self.cached else [index]
         ctx, drafts, prob = list(seq.token_ids), [], 1.0
         # A suffix that matches now matched, Δ tokens shorter, at the last proposal: start the
-        # search there, not at the full depth (each length tried builds a tuple).
+        # search there, not at the full depth (each length tried costs a look-up).
         last_len, last_match = self.last.get(seq.seq_id, (0, self.depth))
         longest = min(self.depth, last_match + len(ctx) - last_len)
         matched, counts = _match(indexes, ctx, longest)
