@@ -40,8 +40,9 @@ inline void softmax(float* s, int64_t n) {
 }
 
 // sc[j] = qf . k[j] for `rows` key rows (stride `stride`): eight rows at a time, eight
-// independent FMA chains reduced together (vsum8), the last rows too. qf is zero-padded to whole vectors. DV > 0: head_dim
-// is DV whole vectors (the common sizes), so the loops unroll and the sums stay in registers.
+// independent FMA chains reduced together (vsum8), the last rows too. qf is zero-padded to
+// whole vectors. DV > 0: head_dim is DV whole vectors (the common sizes), so the loops unroll
+// and the sums stay in registers.
 template <int DV, typename R>
 void score_rows(const float* qf, const R* k, int64_t stride, int64_t rows, int64_t D, float* sc) {
   const int64_t full = DV ? DV * kLanes : D / kLanes * kLanes, tail = DV ? 0 : D - full;
