@@ -147,6 +147,18 @@ def test_step_cost_interpolates_and_never_decreases():
     assert calls == slow_first.rows * 3  # each count once per round: a slow spell hits all
 
 
+def test_step_cost_fits_drafts_of_one_stream():
+    """One stream: the sequence count never varies, the drafts do. Their cost is still fit (it
+    was left at 0 when the joint fit had nothing to solve), and a start-up measurement slower
+    than the real steps gives a negative overhead rather than inflating every step."""
+    cost = StepCost([1, 9], [1.2, 2.0])
+    for drafts in [0, 2, 5, 8] * 40:
+        cost.observe(1 + drafts, 1, cost.forward(1 + drafts) - 0.2 + 0.05 * drafts)
+    assert cost.per_draft == pytest.approx(0.05) and cost.per_seq == 0
+    assert cost.overhead == pytest.approx(-0.2)
+    assert cost(1, 1) == pytest.approx(1.0) and cost(6, 1) == pytest.approx(1.7 - 0.2 + 0.25)
+
+
 def test_planner_keeps_drafts_that_pay_for_themselves():
     flat = DraftPlanner(4, StepCost([1, 64], [1.0, 1.0]))  # memory-bound: rows are free
     assert flat.plan({1: (4, 0), 2: (2, 0)}, base_rows=2) == {1: 4, 2: 2}

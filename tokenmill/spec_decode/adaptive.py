@@ -62,8 +62,9 @@ class StepCost:
     def __call__(self, r: int, seqs: int | None = None) -> float:
         r = max(r, 1)
         seqs = r if seqs is None else min(max(seqs, 1), r)
-        return (self.forward(r) + self.overhead + self.per_seq * (seqs - 1)
-                + self.per_draft * (r - seqs))
+        forward = self.forward(r)
+        return max(forward + self.overhead + self.per_seq * (seqs - 1)
+                   + self.per_draft * (r - seqs), 0.1 * forward)
 
     def forward(self, r: int) -> float:
         rows, secs = self.rows, self.seconds
@@ -86,17 +87,20 @@ class StepCost:
         w1, w2 = s1y - s1 * sy / n, s2y - s2 * sy / n
         seen1, seen2 = v11 > 0.1 * n, v22 > 0.1 * n  # several sequence / draft counts seen
         c = b = 0.0
+        solved = False
         if seen1 and seen2 and v11 * v22 - v12 * v12 > 1e-3 * v11 * v22:
             det = v11 * v22 - v12 * v12
             c, b = (w1 * v22 - w2 * v12) / det, (w2 * v11 - w1 * v12) / det
-        if not (c >= 0 and b >= 0):  # one alone (the other's count did not vary, or < 0)
+            solved = c >= 0 and b >= 0
+        if not solved:  # one alone: the other's count did not vary (one stream), or < 0
             c = b = 0.0
             if seen2 and w2 > 0:
                 b = w2 / v22
             elif seen1 and w1 > 0:
                 c = w1 / v11
         self.per_seq, self.per_draft = c, b
-        self.overhead = max((sy - c * s1 - b * s2) / n, 0.0)
+        # < 0 where the measured forward was slow (measured in a slow spell at start)
+        self.overhead = (sy - c * s1 - b * s2) / n
 
     def _add(self, point: tuple[float, float, float], sign: int) -> None:
         """Running sums of the recent points, kept per step instead of summing the window again
