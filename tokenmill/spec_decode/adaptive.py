@@ -86,7 +86,6 @@ class StepCost:
         v11, v22, v12 = s11 - s1 * s1 / n, s22 - s2 * s2 / n, s12 - s1 * s2 / n
         w1, w2 = s1y - s1 * sy / n, s2y - s2 * sy / n
         seen1, seen2 = v11 > 0.1 * n, v22 > 0.1 * n  # several sequence / draft counts seen
-        c = b = 0.0
         solved = False
         if seen1 and seen2 and v11 * v22 - v12 * v12 > 1e-3 * v11 * v22:
             det = v11 * v22 - v12 * v12
