@@ -234,18 +234,21 @@ struct PrefillTask {
   // its output so far (0 probabilities and factor 1 when the tile is masked for this row).
   float softmax_step(int64_t r, int64_t qpos, int64_t p, int64_t n, Scratch& sc) const {
     float* sr = sc.s.data() + r * kKeys;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < kKeys; ++j) {
-      int64_t kpos = p + j;
-      bool ok = j < n && kpos <= qpos && (window <= 0 || kpos > qpos - window);
-      sr[j] = ok ? sr[j] : -INFINITY;
-      mx = std::max(mx, sr[j]);
-    }
-    if (mx == -INFINITY) {
+    // the tile's keys this row sees, [lo, hi): causal, inside the window, inside the tile
+    const int64_t hi = std::min<int64_t>(n, qpos - p + 1);
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1 - p) : 0;
+    if (hi <= lo) {
       std::fill(sr, sr + kKeys, 0.f);
       return 1.f;
     }
-    float m_new = std::max(sc.m[r], mx), corr = std::exp(sc.m[r] - m_new), sum = 0.f;
+    std::fill(sr, sr + lo, -INFINITY);  // only tiles on the diagonal or the window's edge
+    std::fill(sr + hi, sr + kKeys, -INFINITY);
+    vec mv = vload(sr);
+    for (int u = 1; u < kKeyVecs; ++u) mv = vmax(mv, vload(sr + u * kLanes));
+    const float m_old = sc.m[r], m_new = std::max(m_old, vhmax(mv));
+    // the running max settles early: most tiles rescale nothing and skip the exp
+    const float corr = m_new == m_old ? 1.f : std::exp(m_old - m_new);
+    float sum = 0.f;
     for (int u = 0; u < kKeyVecs; ++u) {
       vec e = vexp(vsub(vload(sr + u * kLanes), vset1(m_new)));
       vstore(sr + u * kLanes, e);
