@@ -34,7 +34,7 @@ void parallel_dynamic(int64_t n, const F& f) {
 
 struct Scratch {
   std::vector<float> q, kt, v, s, m, l, o;
-  std::vector<uint32_t> qp, kp;  // bf16 pairs (the dot-product path)
+  std::vector<uint32_t> qp, kp, vp, pp;  // bf16 pairs (the dot-product path)
 };
 
 // s[i][0:kKeys] = scale * q_i . k_j for R rows (q rows `ld` apart) against the transposed key
@@ -104,6 +104,45 @@ void values_fma(const float* p, const float* corr, const float* v, int64_t n, in
   for (; d < Dp; d += kLanes) values_block<R, 1>(p, corr, v, n, Dp, d, o);
 }
 
+#ifdef TM_ISA_AVX512_BF16
+// The same sum by VDPBF16PS: the probabilities rounded to bf16 pairs pp[i][j/2] = (p[j],
+// p[j + 1]), as PyTorch's bf16 attention rounds them before its second matmul, against the
+// value pairs vp[j/2][d] = (v[j][d], v[j + 1][d]) (rows Dp apart, zero past D and past the
+// tile's keys): half the instructions of the float32 sum.
+template <int R, int U>
+void values_dot_block(const uint32_t* pp, const float* corr, const uint32_t* vp, int64_t pairs,
+                      int64_t Dp, int64_t d, float* o) {
+  __m512 a[R][U];
+  for (int i = 0; i < R; ++i)
+    for (int u = 0; u < U; ++u)
+      a[i][u] = _mm512_mul_ps(_mm512_loadu_ps(o + i * Dp + d + u * kLanes), _mm512_set1_ps(corr[i]));
+  for (int64_t j = 0; j < pairs; ++j) {
+    __m512bh vj[U];
+    for (int u = 0; u < U; ++u) vj[u] = (__m512bh)_mm512_loadu_si512(vp + j * Dp + d + u * kLanes);
+    for (int i = 0; i < R; ++i) {
+      __m512bh pj = (__m512bh)_mm512_set1_epi32(pp[i * kKeys / 2 + j]);
+      for (int u = 0; u < U; ++u) a[i][u] = _mm512_dpbf16_ps(a[i][u], pj, vj[u]);
+    }
+  }
+  for (int i = 0; i < R; ++i)
+    for (int u = 0; u < U; ++u) _mm512_storeu_ps(o + i * Dp + d + u * kLanes, a[i][u]);
+}
+
+template <int R>
+void values_dot(const float* p, const float* corr, const uint32_t* vp, int64_t n, int64_t Dp,
+                uint32_t* pp, float* o) {
+  static_assert(kKeys == kLanes, "one vector of probabilities per row");
+  for (int i = 0; i < R; ++i)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pp + i * kKeys / 2),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + i * kKeys)));
+  const int64_t pairs = (n + 1) / 2;
+  int64_t d = 0;
+  for (; d + kValueVecs * kLanes <= Dp; d += kValueVecs * kLanes)
+    values_dot_block<R, kValueVecs>(pp, corr, vp, pairs, Dp, d, o);
+  for (; d < Dp; d += kLanes) values_dot_block<R, 1>(pp, corr, vp, pairs, Dp, d, o);
+}
+#endif
+
 template <int R, typename F>
 void for_rows(int64_t rows, const F& f) {  // f.template operator()<r>() for r = rows <= R
   if (rows >= R) return f(std::integral_constant<int, R>());
@@ -134,7 +173,8 @@ struct PrefillTask {
   // keys [p, p + n) (one block's) of KV head h: K transposed (kt[d][j], or bf16 pairs
   // kp[d/2][j]), V widened to v[j][0:Dp]; keys past n are zero. staged: int4 K from the stage
   void load_keys(int64_t h, int64_t p, int64_t n, Scratch& sc, bool staged = false) const {
-    std::fill(sc.v.begin(), sc.v.end(), 0.f);
+    if (kDot && !kq) std::fill(sc.vp.begin(), sc.vp.end(), 0u);
+    else std::fill(sc.v.begin(), sc.v.end(), 0.f);
     if (kDot) std::fill(sc.kp.begin(), sc.kp.end(), 0u);
     else std::fill(sc.kt.begin(), sc.kt.end(), 0.f);
     float lo[256], st[256];
@@ -162,6 +202,10 @@ struct PrefillTask {
         for (int64_t d = 0; d < D; ++d) sc.kt[d * kKeys + j] = to_f(k[d]);
       }
       const T* v = vc + at(h, p + j);
+      if constexpr (kDot) {
+        if (j % 2 == 0) value_pair(v, j + 1 < n ? vc + at(h, p + j + 1) : nullptr, sc.vp.data() + j / 2 * Dp());
+        continue;
+      }
       float* dst = sc.v.data() + j * Dp();
       int64_t d = 0;
       for (; d + kLanes <= D; d += kLanes) vstore(dst + d, vload(v + d));
@@ -169,11 +213,28 @@ struct PrefillTask {
     }
   }
 
+  // vp[d] = (a[d], b[d]): the value rows of two keys (b null: a zero key) as bf16 pairs
+  void value_pair(const T* a, const T* b, uint32_t* vp) const {
+    if constexpr (kDot) {
+#ifdef TM_ISA_AVX512_BF16
+      int64_t d = 0;
+      for (; d + kLanes <= D; d += kLanes) {
+        __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+        __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)))
+                       : _mm512_setzero_si512();
+        _mm512_storeu_si512(vp + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+      for (; d < D; ++d) vp[d] = a[d].bits | (b ? uint32_t{b[d].bits} << 16 : 0u);
+#endif
+    }
+  }
+
   // query tile [i0, i0 + rows) x the `group` query heads of KV head h
   void run(int64_t h, int64_t i0, int64_t rows, Scratch& sc) const {
     const int64_t group = Hq / Hk, R = rows * group, Dp = this->Dp();
     sc.kt.resize(D * kKeys), sc.kp.resize(D / 2 * kKeys), sc.v.resize(kKeys * Dp);
-    sc.s.resize(R * kKeys), sc.m.assign(R, -INFINITY), sc.l.assign(R, 0.f);
+    sc.vp.resize(kKeys / 2 * Dp), sc.pp.resize(kRows * kKeys / 2);
+    sc.s.resize(R * kKeys), sc.m.assign(R, -INFINITY), sc.l.assign(R * kLanes, 0.f);
     sc.o.assign(R * Dp, 0.f), sc.q.resize(R * D), sc.qp.resize(R * D / 2);
     for (int64_t r = 0; r < R; ++r) {  // row r: position i0 + r / group, head h * group + r % group
       const T* src = q + ((i0 + r / group) * Hq + h * group + r % group) * D;
@@ -201,8 +262,14 @@ struct PrefillTask {
           corr[i] = softmax_step(r0 + i, computed + i0 + (r0 + i) / group, p, n, sc);
         for (int64_t i = 0; i < rb; i += kValueRows)
           for_rows<kValueRows>(std::min<int64_t>(kValueRows, rb - i), [&](auto c) {
-            values_fma<c>(s + i * kKeys, corr.data() + i, sc.v.data(), n, Dp,
-                          sc.o.data() + (r0 + i) * Dp);
+            float* o = sc.o.data() + (r0 + i) * Dp;
+            if constexpr (kDot) {
+#ifdef TM_ISA_AVX512_BF16
+              if (!kq) return values_dot<c>(s + i * kKeys, corr.data() + i, sc.vp.data(), n, Dp,
+                                            sc.pp.data(), o);
+#endif
+            }
+            values_fma<c>(s + i * kKeys, corr.data() + i, sc.v.data(), n, Dp, o);
           });
       }
     };
@@ -224,7 +291,7 @@ struct PrefillTask {
     }
     for (int64_t r = 0; r < R; ++r) {
       T* dst = out + ((i0 + r / group) * Hq + h * group + r % group) * D;
-      float inv = 1.f / sc.l[r];
+      float inv = 1.f / vsum(vload(sc.l.data() + r * kLanes));
       for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(sc.o[r * Dp + d] * inv);
     }
   }
@@ -245,17 +312,22 @@ struct PrefillTask {
     std::fill(sr + hi, sr + kKeys, -INFINITY);
     vec mv = vload(sr);
     for (int u = 1; u < kKeyVecs; ++u) mv = vmax(mv, vload(sr + u * kLanes));
-    const float m_old = sc.m[r], m_new = std::max(m_old, vhmax(mv));
-    // the running max settles early: most tiles rescale nothing and skip the exp
-    const float corr = m_new == m_old ? 1.f : std::exp(m_old - m_new);
-    float sum = 0.f;
+    const float m_old = sc.m[r];
+    // the running max settles early: most tiles raise no lane above it, rescale nothing and
+    // need no horizontal max
+    const vec mo = vset1(m_old);
+    const bool raised = vmask_eq(vmax(mv, mo), mo) != (1 << kLanes) - 1;
+    const float m_new = raised ? std::max(m_old, vhmax(mv)) : m_old;
+    const float corr = raised ? std::exp(m_old - m_new) : 1.f;
+    float* l = sc.l.data() + r * kLanes;  // the row's sum, lane by lane
+    vec sum = vmul(vload(l), vset1(corr));
     for (int u = 0; u < kKeyVecs; ++u) {
       vec e = vexp(vsub(vload(sr + u * kLanes), vset1(m_new)));
       vstore(sr + u * kLanes, e);
-      sum += vsum(e);
+      sum = vadd(sum, e);
     }
+    vstore(l, sum);
     sc.m[r] = m_new;
-    sc.l[r] = sc.l[r] * corr + sum;
     return corr;
   }
 };
