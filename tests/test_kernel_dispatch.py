@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -181,3 +182,31 @@ def test_prefill_attention_measure_runs():
     times = attention_plan.measure(kernels.load_cpu_kernels(), 4, 2, 32, torch.bfloat16)
     assert times.rows == list(attention_plan.LENGTHS[: len(times.rows)]) and times.rows
     assert all(t > 0 for t in times.packed + times.torch)
+
+
+def test_kernel_types_have_one_definition():
+    """A type named alike in two source files of one library breaks the one-definition rule:
+    the linker keeps one of their (inline) destructors for both, and thread-local scratch of
+    the other layout was freed with it at exit (a segfault after a bf16 prefill + decode)."""
+    import re
+
+    seen: dict[str, str] = {}
+    for path in sorted(build.CSRC.iterdir()):
+        if path.suffix not in (".cpp", ".h") or path.name.startswith("vec_"):
+            continue  # vec_*.h: one instruction set's vector layer per build
+        for name in re.findall(r"^(?:struct|class) (\w+)\s*[:{]", path.read_text(), re.M):
+            assert name not in seen, f"{name} is defined in {seen[name]} and {path.name}"
+            seen[name] = path.name
+    assert {"PrefillScratch", "Scratch"} <= seen.keys()
+
+
+@needs_compiler
+def test_bf16_prefill_and_decode_exit_cleanly(tiny_llama):
+    """A process that ran the prefill kernel and the fused decode step on bf16 exits with 0."""
+    code = ("import sys; from tokenmill import LLM, SamplingParams; "
+            "llm = LLM(sys.argv[1], dtype='bfloat16', max_model_len=256); "
+            "llm.generate({'prompt_token_ids': list(range(3, 90))}, "
+            "SamplingParams(max_tokens=24, ignore_eos=True), use_tqdm=False)")
+    done = subprocess.run([sys.executable, "-c", code, str(tiny_llama[0])], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -29,7 +29,7 @@ void parallel_dynamic(int64_t n, const F& f) {
   for (int64_t i = 0; i < n; ++i) f(i);
 }
 
-struct Scratch {
+struct PrefillScratch {
   std::vector<float> q, kt, v, s, m, l, o;
   std::vector<uint32_t> qp, kp, vp, pp;  // bf16 pairs (the dot-product path)
 };
@@ -57,7 +57,7 @@ struct PrefillTask {
 
   // keys [p, p + n) (one block's) of KV head h: K transposed (kt[d][j], or bf16 pairs
   // kp[d/2][j]), V widened to v[j][0:Dp]; keys past n are zero. staged: int4 K from the stage
-  void load_keys(int64_t h, int64_t p, int64_t n, Scratch& sc, bool staged = false) const {
+  void load_keys(int64_t h, int64_t p, int64_t n, PrefillScratch& sc, bool staged = false) const {
     if (kDot && !kq) std::fill(sc.vp.begin(), sc.vp.end(), 0u);
     else std::fill(sc.v.begin(), sc.v.end(), 0.f);
     if (kDot) std::fill(sc.kp.begin(), sc.kp.end(), 0u);
@@ -115,7 +115,7 @@ struct PrefillTask {
   }
 
   // query tile [i0, i0 + rows) x the `group` query heads of KV head h
-  void run(int64_t h, int64_t i0, int64_t rows, Scratch& sc) const {
+  void run(int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc) const {
     const int64_t group = Hq / Hk, R = rows * group, Dp = this->Dp();
     sc.kt.resize(D * kKeys), sc.kp.resize(D / 2 * kKeys), sc.v.resize(kKeys * Dp);
     sc.vp.resize(kKeys / 2 * Dp), sc.pp.resize(kRows * kKeys / 2);
@@ -184,7 +184,7 @@ struct PrefillTask {
   // Row r's scores against keys [p, p + n) masked (causal, window) and turned into
   // exp(s - running max); updates the running max and sum; returns the factor that rescales
   // its output so far (0 probabilities and factor 1 when the tile is masked for this row).
-  float softmax_step(int64_t r, int64_t qpos, int64_t p, int64_t n, Scratch& sc) const {
+  float softmax_step(int64_t r, int64_t qpos, int64_t p, int64_t n, PrefillScratch& sc) const {
     float* sr = sc.s.data() + r * kKeys;
     // the tile's keys this row sees, [lo, hi): causal, inside the window, inside the tile
     const int64_t hi = std::min<int64_t>(n, qpos - p + 1);
@@ -221,7 +221,7 @@ template <typename T>
 void prefill_attention(const PrefillTask<T>& t, int64_t n_new) {
   int64_t tiles = (n_new + kQueryTile - 1) / kQueryTile;
   parallel_dynamic(t.Hk * tiles, [&](int64_t i) {
-    thread_local Scratch sc;
+    thread_local PrefillScratch sc;
     int64_t tile = tiles - 1 - i / t.Hk, h = i % t.Hk;  // the longest tiles first
     t.run(h, tile * kQueryTile, std::min(kQueryTile, n_new - tile * kQueryTile), sc);
   });
