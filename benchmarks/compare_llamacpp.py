@@ -1,6 +1,8 @@
 """Single-stream decode and prefill, tokenmill vs llama.cpp (llama-bench), same BF16 weights
 (or with --file, the model file itself: its quantized weights in both engines), same thread
 count, in alternating rounds (the machine's bandwidth drifts: only same-run ratios count).
+Within a round each engine's pp is the mean of three prompts (llama-bench -r 3), its tg one
+128-token run after a 128-token prompt.
 Also measures this machine's limits (hw_limits.py) and reports each engine's achieved
 GB/s and its share of the bandwidth limit. Prints a table and ends with one JSON line.
 
@@ -57,10 +59,12 @@ def tokenmill_bench(llm, prompt: int, gen: int, rng: random.Random) -> dict:
     def ids(n):
         return {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(n)]}
 
-    pre = llm.generate(ids(prompt), SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    # the mean of three prompts' rates, as llama-bench -r 3 averages its repetitions
+    pre = [llm.generate(ids(prompt), SamplingParams(max_tokens=1), use_tqdm=False)[0]
+           for _ in range(3)]
     dec = llm.generate(ids(128), SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True),
                        use_tqdm=False)[0]
-    return {"prefill_tok_s": prompt / pre.metrics.time_to_first_token,
+    return {"prefill_tok_s": statistics.mean(prompt / o.metrics.time_to_first_token for o in pre),
             "decode_tok_s": 1.0 / dec.metrics.mean_inter_token_latency}
 
 
