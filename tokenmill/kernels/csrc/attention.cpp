@@ -238,18 +238,18 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
   int64_t per_task = heads * kv, tasks = U * Hq / per_task;
   int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
   int64_t work = std::max<int64_t>(1, total / B * D * per_task * unit_rows / 8);
-  parallel_for(0, tasks, std::max<int64_t>(1, (1 << 14) / work), [&](int64_t j0, int64_t j1) {
+  // tasks differ in work (sequences of different lengths): handed out as threads come free
+  parallel_dynamic(tasks, [&](int64_t j) {
     const int64_t queries = per_task * unit_rows;
-    std::vector<float> scores(longest * queries), buf(kRows * kv * D + kLanes),
-        qf(queries * Dp), acc(queries * Dp);
-    for (int64_t j = j0; j < j1; ++j) {
-      auto [b, n] = units[j * per_task / Hq];
-      const int64_t hq = j * per_task % Hq, last = b + n - 1;
-      attend_group(q + (b * Hq + hq) * D, Hq * D, n, kc, vc, tables + last * max_blocks, window,
-                   lens[last], BS, Hk, hq / group, kv, D, heads, scale, scores.data(),
-                   buf.data(), qf.data(), acc.data(), out + (b * Hq + hq) * D);
-    }
-  });
+    thread_local std::vector<float> scores, buf, qf, acc;
+    scores.resize(longest * queries), buf.resize(kRows * kv * D + kLanes);
+    qf.resize(queries * Dp), acc.resize(queries * Dp);
+    auto [b, n] = units[j * per_task / Hq];
+    const int64_t hq = j * per_task % Hq, last = b + n - 1;
+    attend_group(q + (b * Hq + hq) * D, Hq * D, n, kc, vc, tables + last * max_blocks, window,
+                 lens[last], BS, Hk, hq / group, kv, D, heads, scale, scores.data(), buf.data(),
+                 qf.data(), acc.data(), out + (b * Hq + hq) * D);
+  }, std::max<int64_t>(1, (1 << 14) / work));
 }
 
 }  // namespace tm

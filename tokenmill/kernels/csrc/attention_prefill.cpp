@@ -16,19 +16,6 @@ namespace tm {
 
 constexpr int64_t kQueryTile = 32;  // query positions per task (x the GQA group's heads)
 
-// Dynamic schedule: causal tiles differ in work (the last query tile reads every key).
-template <typename F>
-void parallel_dynamic(int64_t n, const F& f) {
-#ifdef _OPENMP
-  if (g_threads > 1 && n > 1 && !omp_in_parallel()) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(static_cast<int>(std::min<int64_t>(g_threads, n)))
-    for (int64_t i = 0; i < n; ++i) f(i);
-    return;
-  }
-#endif
-  for (int64_t i = 0; i < n; ++i) f(i);
-}
-
 struct PrefillScratch {
   std::vector<float> q, kt, v, s, m, l, o;
   std::vector<uint32_t> qp, kp, vp, pp;  // bf16 pairs (the dot-product path)

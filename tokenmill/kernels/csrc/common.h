@@ -108,4 +108,19 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   f(begin, end);
 }
 
+// f(i) for i in [0, n), handed out one at a time to the threads as they come free (tasks of
+// unequal work: causal tiles, sequences of different lengths); inline when n <= serial or
+// already inside a parallel region.
+template <typename F>
+void parallel_dynamic(int64_t n, const F& f, int64_t serial = 1) {
+#ifdef _OPENMP
+  if (g_threads > 1 && n > serial && !omp_in_parallel()) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(static_cast<int>(std::min<int64_t>(g_threads, n)))
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) f(i);
+}
+
 }  // namespace tm
