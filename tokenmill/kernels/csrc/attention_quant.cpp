@@ -231,19 +231,19 @@ extern "C" void tm_decode_attention_quant(const float* q, const tm_kv_pages* k,
   const int64_t per = nh * group, tasks = static_cast<int64_t>(parts.size());
   std::vector<float> m(tasks * per), l(tasks * per), acc(tasks * per * Dp);
   const int64_t work = std::max<int64_t>(1, total / batch / splits * D * per / 8);
-  parallel_for(0, tasks, std::max<int64_t>(1, (1 << 14) / work), [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores(((longest + splits - 1) / splits + 1) * per), buf(kRows * Dp),
-        qf(per * Dp, 0.f);
-    for (int64_t t = t0; t < t1; ++t) {
-      const Part& p = parts[t];
-      const float* qb = q + (p.b * heads + p.h0 * group) * D;
-      for (int64_t g = 0; g < per; ++g)
-        for (int64_t i = 0; i < D; ++i) qf[g * Dp + i] = qb[g * D + i] * scale;
-      attend(qf.data(), K, V, block_tables + p.b * max_blocks, p,
-                  block_size, group, scores.data(), buf.data(), acc.data() + t * per * Dp,
-                  m.data() + t * per, l.data() + t * per);
-    }
-  });
+  // parts differ in work (sequences of different lengths): handed out as threads come free
+  parallel_dynamic(tasks, [&](int64_t t) {
+    thread_local std::vector<float> scores, buf, qf;
+    scores.resize(((longest + splits - 1) / splits + 1) * per), buf.resize(kRows * Dp);
+    qf.assign(per * Dp, 0.f);
+    const Part& p = parts[t];
+    const float* qb = q + (p.b * heads + p.h0 * group) * D;
+    for (int64_t g = 0; g < per; ++g)
+      for (int64_t i = 0; i < D; ++i) qf[g * Dp + i] = qb[g * D + i] * scale;
+    attend(qf.data(), K, V, block_tables + p.b * max_blocks, p, block_size, group,
+           scores.data(), buf.data(), acc.data() + t * per * Dp, m.data() + t * per,
+           l.data() + t * per);
+  }, std::max<int64_t>(1, (1 << 14) / work));
   // combine each query head's splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
   for (int64_t t = 0; t < tasks; t += splits) {
     const Part& p = parts[t];
