@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import httpx
 import pytest
@@ -67,7 +68,11 @@ def answer(page: Browser, count: int) -> str:
 
 
 def test_answer_streams_in_with_its_stats_and_the_next_turn_hits_the_prefix_cache(
-        server, page):
+        server, page, monkeypatch):
+    # The tiny model writes 40 tokens in a few milliseconds, which can reach the page in one
+    # network read and so show as one text change. Paced steps make the stream observable.
+    step = server.engine.step
+    monkeypatch.setattr(server.engine, "step", lambda: time.sleep(0.015) or step())
     open_page(page, server.url)
     fill(page, "temperature", "0")
     fill(page, "max-tokens", "40")
