@@ -3,6 +3,7 @@
 #include <type_traits>
 
 #include "attention_common.h"
+#include "attention_pairs.h"
 #include "tm.h"
 #include "vec.h"
 
@@ -102,6 +103,47 @@ inline void score_dot(const bf16* q, const bf16* k, int64_t stride, int64_t rows
   vsum8(a, sums);
   for (int r = 0; r < rows - j; ++r) sc[j + r] = sums[r] * scale;
 }
+
+// The value sum of attend_group on bf16 pairs (attention_pairs.h), each KV head's queries four
+// at a time; acc zeroed, columns in pair order until written to out
+inline void value_sums_dot(const Paged<bf16>& values, int64_t start, const float* scores,
+                           int64_t n, int64_t nrows, int64_t nq, int64_t heads, int64_t kv,
+                           int64_t D, float* acc, bf16* out, int64_t qstride) {
+  constexpr int64_t P = kRows;  // pairs per chunk and query: kRows + 1 positions at most
+  const int64_t total = nrows * nq, Dp = (D + kLanes - 1) / kLanes * kLanes;
+  thread_local std::vector<uint32_t> pp;
+  pp.resize(total * P);
+  walk(values, start, [&](int64_t at, int64_t rows, const bf16* v) {
+    const int64_t odd = (start + at) % 2;
+    for (int64_t g = 0; g < total; ++g) probability_pairs(scores + g * n + at, rows, odd, pp.data() + g * P);
+    for (int64_t c = 0; c < kv; ++c) {
+      const bf16* vc = v + c * D;
+      const uint32_t* p4[4];
+      float* o4[4];
+      int q = 0;
+      auto flush = [&] {
+        if (q == 4) pair_sums_all<4>(p4, vc, values.row, rows, odd, D, o4);
+        else if (q == 3) pair_sums_all<3>(p4, vc, values.row, rows, odd, D, o4);
+        else if (q == 2) pair_sums_all<2>(p4, vc, values.row, rows, odd, D, o4);
+        else if (q == 1) pair_sums_all<1>(p4, vc, values.row, rows, odd, D, o4);
+        q = 0;
+      };
+      for (int64_t r = 0; r < nrows; ++r)
+        for (int64_t i = c * heads; i < (c + 1) * heads; ++i) {
+          p4[q] = pp.data() + (r * nq + i) * P;
+          o4[q++] = acc + (r * nq + i) * Dp;
+          if (q == 4) flush();
+        }
+      flush();
+    }
+  });
+  float o[kMaxHeadDim];
+  for (int64_t g = 0; g < total; ++g) {
+    unpermute(acc + g * Dp, D, o);
+    bf16* dst = out + g / nq * qstride + g % nq * D;
+    for (int64_t i = 0; i < D; ++i) dst[i] = from_f<bf16>(o[i]);
+  }
+}
 #endif
 
 // The query heads of `kv` adjacent KV heads (from KV head h) of `nrows` token rows of one
@@ -125,13 +167,18 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
   const Paged<T> keys{kc, table, L, BS, row, h * D, W}, values{vc, table, L, BS, row, h * D, W};
   auto query = [&](int64_t g) { return q + g / nq * qstride + g % nq * D; };
   auto kv_col = [&](int64_t g) { return g % nq / heads * D; };  // g's KV head in the slice
-  for (int64_t g = 0; g < total; ++g) {
+#ifdef TM_ISA_AVX512_BF16
+  constexpr bool kDot = std::is_same_v<T, bf16>;  // scores (and values) on VDPBF16PS
+#else
+  constexpr bool kDot = false;
+#endif
+  for (int64_t g = 0; g < total && !kDot; ++g) {
     std::fill(qf + g * Dp, qf + (g + 1) * Dp, 0.f);
     for (int64_t i = 0; i < D; ++i) qf[g * Dp + i] = to_f(query(g)[i]) * scale;
   }
   walk(keys, start, [&](int64_t at, int64_t rows, const T* k) {
 #ifdef TM_ISA_AVX512_BF16
-    if constexpr (std::is_same_v<T, bf16>) {  // every query reads the cache rows directly
+    if constexpr (kDot) {  // every query reads the cache rows directly
       for (int64_t g = 0; g < total; ++g)
         score_dot(query(g), k + kv_col(g), row, rows, D, scale, scores + g * n + at);
       return;
@@ -150,6 +197,10 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
     std::fill(s + (len - start), s + n, 0.f);
   }
   std::fill(acc, acc + total * Dp, 0.f);
+#ifdef TM_ISA_AVX512_BF16
+  if constexpr (kDot)
+    if (D % 32 == 0) return value_sums_dot(values, start, scores, n, nrows, nq, heads, kv, D, acc, out, qstride);
+#endif
   walk(values, start, [&](int64_t at, int64_t rows, const T* v) {
     if (total == 1) return accumulate_rows(scores + at, v, row, rows, D, acc);
     widen_block(v, rows, row, W, buf);
