@@ -224,8 +224,10 @@ def main() -> None:
     print_table("tokenmill", {k: v for k, v in rows.items() if not k.startswith("bf16")}, "none")
     print_table("tokenmill, draft model", {k: v for k, v in rows.items() if k.startswith("bf16")},
                 "bf16 target")
-    same = all(r["identical"] for row in rows.values() for r in row.values() if "identical" in r)
-    print(f"greedy outputs identical with and without speculation: {'yes' if same else 'NO'}")
+    differ = [f"{name} ({col})" for name, row in rows.items() for col, r in row.items()
+              if not r.get("identical", True)]
+    print("greedy outputs identical with and without speculation: "
+          + (f"NO for {', '.join(differ)}" if differ else "yes, every method and workload"))
     if llama:
         print_table("llama.cpp llama-server", llama, "none")
     print(json.dumps({"benchmark": "spec_decode", "model": args.model, "machine": machine(),
