@@ -71,26 +71,39 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
   const int64_t gstride = K / kBlock * group_bytes(BITS);
   const auto* wq = static_cast<const uint8_t*>(w->packed);
   parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
-    float y[kRowTile][kGroup];
+    float y[2 * kRowTile][kGroup];
+    auto store = [&](int64_t i, int R, int64_t g, float (*t)[kGroup]) {  // rows i.., group g
+      const int64_t n = std::min(kGroup, N - g * kGroup);
+      for (int r = 0; r < R; ++r) {
+        O* dst = out + (i + r) * N + g * kGroup;
+        for (int64_t o = 0; o < n; o += kLanes) {
+          vec v = vload(t[r] + o);
+          if (w->bias) v = vadd(v, vload_part(w->bias + g * kGroup + o, std::min<int64_t>(kLanes, n - o)));
+          if (n - o >= kLanes) vstore(dst + o, v);
+          else vstore_part(dst + o, v, n - o);
+        }
+      }
+    };
     for (int64_t i0 = 0; i0 < m; i0 += kRowChunk) {  // input rows stay in cache across groups
       const int64_t i1 = std::min(m, i0 + kRowChunk);
-      for (int64_t g = g0; g < g1; ++g) {
-        const int64_t n = std::min(kGroup, N - g * kGroup);
-        for (int64_t i = i0; i < i1; i += w->row_invariant ? 1 : kRowTile) {
-          const int R = w->row_invariant ? 1 : static_cast<int>(std::min(kRowTile, i1 - i));
-          const int64_t bi = i * (K / kBlock);
-          tile<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, y,
-                     i == i0 && g + 1 < g1 ? wq + (g + 1) * gstride : nullptr);
-          for (int r = 0; r < R; ++r) {
-            O* dst = out + (i + r) * N + g * kGroup;
-            for (int64_t o = 0; o < n; o += kLanes) {
-              vec v = vload(y[r] + o);
-              if (w->bias) v = vadd(v, vload_part(w->bias + g * kGroup + o, std::min<int64_t>(kLanes, n - o)));
-              if (n - o >= kLanes) vstore(dst + o, v);
-              else vstore_part(dst + o, v, n - o);
-            }
+      for (int64_t g = g0; g < g1;) {
+        // two groups at once where a row's broadcast feeds both (VNNI), in tiles of fewer rows
+        const bool pair = kGroupPairs && g + 1 < g1;
+        const int64_t tile_rows = w->row_invariant ? 1 : pair ? kPairRows : kRowTile;
+        for (int64_t i = i0; i < i1; i += tile_rows) {
+          const int R = static_cast<int>(std::min(tile_rows, i1 - i));
+          const int64_t bi = i * (K / kBlock), next = g + (pair ? 2 : 1);
+          const uint8_t* pf = i == i0 && next < g1 ? wq + next * gstride : nullptr;
+          if (pair) {
+            tile_pair<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, gstride, y, pf);
+            store(i, R, g, y);
+            store(i, R, g + 1, y + R);
+          } else {
+            tile<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, y, pf);
+            store(i, R, g, y);
           }
         }
+        g += pair ? 2 : 1;
       }
     }
   });

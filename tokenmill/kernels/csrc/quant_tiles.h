@@ -59,21 +59,28 @@ void tile_portable(int R, const int8_t* xq, const float* dx, const float* sx, in
 }
 
 #if defined(__AVX512VNNI__)
-template <int R, int BITS>
+// y[g * R + r][0..16) for G consecutive groups (gstride bytes apart) and input rows r < R:
+// each row's 4-byte broadcast of x serves the G groups' codes
+template <int R, int G, int BITS>
 void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
-               float (*y)[kGroup], const uint8_t* pf) {
+               int64_t gstride, float (*y)[kGroup], const uint8_t* pf) {
   const int64_t blocks = K / kBlock;
   const __m512i nib = _mm512_set1_epi8(0x0F);
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[G][R];
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = w + b * group_bytes(BITS);
-    const uint8_t* codes = blk + 64;
-    prefetch_block<BITS>(pf ? pf + b * group_bytes(BITS) : nullptr);
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)));
-    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 32)));
-    __m512i s[R];
-    for (int r = 0; r < R; ++r) s[r] = _mm512_setzero_si512();
+    const uint8_t* blk[G];
+    __m512 d[G], m[G];
+    for (int g = 0; g < G; ++g) {
+      blk[g] = w + g * gstride + b * group_bytes(BITS);
+      prefetch_block<BITS>(pf ? pf + g * gstride + b * group_bytes(BITS) : nullptr);
+      d[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g])));
+      m[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32)));
+    }
+    __m512i s[G][R];
+    for (int g = 0; g < G; ++g)
+      for (int r = 0; r < R; ++r) s[g][r] = _mm512_setzero_si512();
     const int8_t* xb = xq + b * kBlock;
     auto x4 = [&](int r, int k) {  // 4 int8 of row r at k, in every lane
       int32_t v;
@@ -83,46 +90,75 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
     if constexpr (BITS != 8) {
       const __m512i sixteen = _mm512_set1_epi8(16);
       for (int j = 0; j < 4; ++j) {
-        __m512i v = _mm512_loadu_si512(codes + 64 * j);
-        __m512i lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        if constexpr (BITS == 5) {  // add 16 where the fifth bit is set
-          __mmask64 planes[2];
-          std::memcpy(planes, codes + 256 + 16 * j, 16);
-          lo = _mm512_mask_add_epi8(lo, planes[0], lo, sixteen);
-          hi = _mm512_mask_add_epi8(hi, planes[1], hi, sixteen);
+        __m512i lo[G], hi[G];
+        for (int g = 0; g < G; ++g) {
+          const uint8_t* codes = blk[g] + 64;
+          __m512i v = _mm512_loadu_si512(codes + 64 * j);
+          lo[g] = _mm512_and_si512(v, nib), hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+          if constexpr (BITS == 5) {  // add 16 where the fifth bit is set
+            __mmask64 planes[2];
+            std::memcpy(planes, codes + 256 + 16 * j, 16);
+            lo[g] = _mm512_mask_add_epi8(lo[g], planes[0], lo[g], sixteen);
+            hi[g] = _mm512_mask_add_epi8(hi[g], planes[1], hi[g], sixteen);
+          }
         }
         for (int r = 0; r < R; ++r) {
-          s[r] = _mm512_dpbusd_epi32(s[r], lo, x4(r, 4 * j));
-          s[r] = _mm512_dpbusd_epi32(s[r], hi, x4(r, 16 + 4 * j));
+          const __m512i xl = x4(r, 4 * j), xh = x4(r, 16 + 4 * j);
+          for (int g = 0; g < G; ++g) {
+            s[g][r] = _mm512_dpbusd_epi32(s[g][r], lo[g], xl);
+            s[g][r] = _mm512_dpbusd_epi32(s[g][r], hi[g], xh);
+          }
         }
       }
     } else {
       for (int j = 0; j < 8; ++j) {
-        __m512i v = _mm512_loadu_si512(codes + 64 * j);
-        for (int r = 0; r < R; ++r) s[r] = _mm512_dpbusd_epi32(s[r], v, x4(r, 4 * j));
+        __m512i v[G];
+        for (int g = 0; g < G; ++g) v[g] = _mm512_loadu_si512(blk[g] + 64 + 64 * j);
+        for (int r = 0; r < R; ++r) {
+          const __m512i x = x4(r, 4 * j);
+          for (int g = 0; g < G; ++g) s[g][r] = _mm512_dpbusd_epi32(s[g][r], v[g], x);
+        }
       }
     }
     for (int r = 0; r < R; ++r) {
-      __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(dx[r * blocks + b]));
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sx[r * blocks + b]), acc[r]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r]), scale, acc[r]);
+      const __m512 xd = _mm512_set1_ps(dx[r * blocks + b]), xs = _mm512_set1_ps(sx[r * blocks + b]);
+      for (int g = 0; g < G; ++g) {
+        __m512 scale = _mm512_mul_ps(d[g], xd);
+        acc[g][r] = _mm512_fmadd_ps(m[g], xs, acc[g][r]);
+        acc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[g][r]), scale, acc[g][r]);
+      }
     }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[r], acc[r]);
+  for (int g = 0; g < G; ++g)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(y[g * R + r], acc[g][r]);
 }
+
+// two groups at once, up to kPairRows input rows: y[g * R + r]
+constexpr int kPairRows = 4;
+template <int BITS>
+void tile_pair(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+               const uint8_t* w, int64_t gstride, float (*y)[kGroup], const uint8_t* pf) {
+  switch (R) {
+    case 1: return tile_vnni<1, 2, BITS>(xq, dx, sx, K, w, gstride, y, pf);
+    case 2: return tile_vnni<2, 2, BITS>(xq, dx, sx, K, w, gstride, y, pf);
+    case 3: return tile_vnni<3, 2, BITS>(xq, dx, sx, K, w, gstride, y, pf);
+    default: return tile_vnni<4, 2, BITS>(xq, dx, sx, K, w, gstride, y, pf);
+  }
+}
+constexpr bool kGroupPairs = true;
 
 template <int BITS>
 void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
           const uint8_t* w, float (*y)[kGroup], const uint8_t* pf = nullptr) {
   switch (R) {
-    case 1: return tile_vnni<1, BITS>(xq, dx, sx, K, w, y, pf);
-    case 2: return tile_vnni<2, BITS>(xq, dx, sx, K, w, y, pf);
-    case 3: return tile_vnni<3, BITS>(xq, dx, sx, K, w, y, pf);
-    case 4: return tile_vnni<4, BITS>(xq, dx, sx, K, w, y, pf);
-    case 5: return tile_vnni<5, BITS>(xq, dx, sx, K, w, y, pf);
-    case 6: return tile_vnni<6, BITS>(xq, dx, sx, K, w, y, pf);
-    case 7: return tile_vnni<7, BITS>(xq, dx, sx, K, w, y, pf);
-    default: return tile_vnni<8, BITS>(xq, dx, sx, K, w, y, pf);
+    case 1: return tile_vnni<1, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
+    case 2: return tile_vnni<2, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
+    case 3: return tile_vnni<3, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
+    case 4: return tile_vnni<4, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
+    case 5: return tile_vnni<5, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
+    case 6: return tile_vnni<6, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
+    case 7: return tile_vnni<7, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
+    default: return tile_vnni<8, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
   }
 }
 constexpr bool kFastQuant = true;
@@ -226,6 +262,18 @@ void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
   tile_portable<BITS>(R, xq, dx, sx, K, w, y);
 }
 constexpr bool kFastQuant = false;
+#endif
+
+#if !defined(__AVX512VNNI__)
+// Two groups as two tiles (the pairing pays only where a broadcast feeds both: VNNI)
+constexpr int kPairRows = kRowTile;
+constexpr bool kGroupPairs = false;
+template <int BITS>
+void tile_pair(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+               const uint8_t* w, int64_t gstride, float (*y)[kGroup], const uint8_t* pf) {
+  tile<BITS>(R, xq, dx, sx, K, w, y, pf);
+  tile<BITS>(R, xq, dx, sx, K, w + gstride, y + R, pf ? pf + gstride : nullptr);
+}
 #endif
 
 }  // namespace tm
