@@ -64,6 +64,19 @@ def test_quantized_linear(lib, bits, dtype, rows):
     assert ((got.float() - exact).norm() / exact.norm()).item() < 0.02
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_row_does_not_depend_on_the_other_rows(lib, bits):
+    """Each output is computed the same whatever tile its row lands in (row tiles of 1-8 rows,
+    one group or two): what keeps speculative decoding's verify rows, which share a step,
+    exactly equal to decoding alone on quantized weights."""
+    bq = random_bq(77, 256, bits, seed=5)  # 5 groups, the last partial
+    layer = lib.qpack(bq.codes, bq.d, bq.m, bits)
+    x = torch.randn(13, 256).to(torch.bfloat16)
+    alone = torch.cat([lib.linear(x[i:i + 1], layer, out_fp32=True) for i in range(13)])
+    for m in range(2, 14):
+        assert torch.equal(lib.linear(x[:m], layer, out_fp32=True), alone[:m]), m
+
+
 def test_activation_rounding_matches_the_kernel(lib):
     """linear_ref's quantization is the kernel's: a one-hot weight row reads q * dx back."""
     k = 64
