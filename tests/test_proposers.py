@@ -199,3 +199,20 @@ def test_a_sequence_without_drafts_for_long_tries_one():
     assert kept == [0] * (EXPLORE - 1) + [1]
     planner.forget(7)
     assert 7 not in planner.seqs
+
+
+def test_where_no_draft_can_pay_only_explorations_are_proposed():
+    """hopeless(): plan() would keep nothing whatever is proposed, so the engine skips the
+    proposer except for sequences due to explore, which still get their one draft on the
+    EXPLORE-th step without one (as when every step proposes)."""
+    planner = DraftPlanner(4, StepCost([1, 64], [1.0, 64.0]))  # a row costs a token
+    for _ in range(20):
+        planner.record(6, 4, 4)  # even a kind that is always right cannot pay here
+    assert planner.hopeless(base_rows=16)
+    assert not DraftPlanner(4, StepCost([1, 64], [1.0, 1.0])).hopeless(base_rows=16)
+    kept = []
+    for _ in range(EXPLORE):
+        due = planner.idle_step([7, 8])
+        kept.append(planner.plan({sid: (4, 6) for sid in due}, base_rows=16).get(7, 0))
+    assert kept == [0] * (EXPLORE - 1) + [1]
+    assert planner.idle_step([7]) == set()  # its exploration reset the count

@@ -150,6 +150,30 @@ class DraftPlanner:
         rows = max(base_rows, 1)
         return (rows + 1 / MARGIN) * self.cost(rows) > rows * self.cost(rows + 1, rows)
 
+    def hopeless(self, base_rows: int) -> bool:
+        """Whether plan() would keep no draft this step whatever was proposed: not even the
+        first draft of the best kind seen (or of a new kind, at the engine's rate) pays for
+        its row. The engine then proposes only for sequences due to explore (idle_step), which
+        saves the proposers' work on every step of a batch where drafts do not pay."""
+        if self.cost is None:
+            return False
+        t = self.total
+        best = max([t.accepted / (t.accepted + t.rejected)] + [self.alpha(k) for k in self.kinds])
+        rows = max(base_rows, 1)
+        return (rows + best / MARGIN) * self.cost(rows, rows) <= rows * self.cost(rows + 1, rows)
+
+    def idle_step(self, seq_ids: list[int]) -> set[int]:
+        """A step where the sequences were not proposed for (hopeless): each counts it as a
+        step without a draft, as plan() counts one; returns those due to explore (EXPLORE
+        such steps), whose proposals plan() then keeps one draft of."""
+        due = set()
+        for sid in seq_ids:
+            state = self.seqs.setdefault(sid, Acceptance())
+            state.idle += 1
+            if state.idle >= EXPLORE:
+                due.add(sid)
+        return due
+
     def plan(self, proposals: dict[int, tuple[int, int]], base_rows: int) -> dict[int, int]:
         """Drafts to keep per sequence of its proposal (count, kind), with base_rows rows in
         the step before any draft (one per decoding sequence, plus prefill tokens)."""
