@@ -202,17 +202,31 @@ def test_a_sequence_without_drafts_for_long_tries_one():
 
 
 def test_where_no_draft_can_pay_only_explorations_are_proposed():
-    """hopeless(): plan() would keep nothing whatever is proposed, so the engine skips the
+    """paying_drafts() 0: plan() would keep nothing whatever is proposed, so the engine skips the
     proposer except for sequences due to explore, which still get their one draft on the
     EXPLORE-th step without one (as when every step proposes)."""
     planner = DraftPlanner(4, StepCost([1, 64], [1.0, 64.0]))  # a row costs a token
     for _ in range(20):
         planner.record(6, 4, 4)  # even a kind that is always right cannot pay here
-    assert planner.hopeless(base_rows=16)
-    assert not DraftPlanner(4, StepCost([1, 64], [1.0, 1.0])).hopeless(base_rows=16)
+    assert planner.paying_drafts(base_rows=16) == 0
+    assert DraftPlanner(4, StepCost([1, 64], [1.0, 1.0])).paying_drafts(base_rows=16) == 4
     kept = []
     for _ in range(EXPLORE):
         due = planner.idle_step([7, 8])
         kept.append(planner.plan({sid: (4, 6) for sid in due}, base_rows=16).get(7, 0))
     assert kept == [0] * (EXPLORE - 1) + [1]
     assert planner.idle_step([7]) == set()  # its exploration reset the count
+
+
+def test_paying_drafts_bounds_what_plan_keeps():
+    """The cap the engine puts on proposals never cuts a draft plan() would have kept."""
+    knee = StepCost([1, 4, 64], [1.0, 1.1, 64.0])  # cheap up to 4 rows, then ~1 a row
+    for base in (1, 2, 3, 6, 16):
+        planner = DraftPlanner(8, knee)
+        for _ in range(20):
+            planner.record(6, 4, 4)
+            planner.record(2, 4, 1)
+        cap = planner.paying_drafts(base)
+        keep = planner.plan({sid: (8, 6 if sid % 2 else 2) for sid in range(base)}, base)
+        assert max(keep.values()) <= cap, (base, cap, keep)
+        assert cap == 8 or max(keep.values()) == cap or cap == 0

@@ -50,10 +50,11 @@ class SpecDecoder:
         if not seqs:
             return
         if getattr(self.proposer, "cheap", False):  # propose all, then keep what pays
-            if self.planner.hopeless(base_rows):  # none would be kept: only explorations
+            paying = self.planner.paying_drafts(base_rows)
+            if not paying:  # none would be kept: only explorations (one draft each)
                 due = self.planner.idle_step([s.seq_id for s in seqs])
                 seqs = [s for s in seqs if s.seq_id in due]
-            props = self._proposals(seqs, [room[s.seq_id] for s in seqs])
+            props = self._proposals(seqs, [min(room[s.seq_id], max(paying, 1)) for s in seqs])
             keep = self.planner.plan({sid: (len(p.tokens), p.kind) for sid, p in props.items()},
                                      base_rows)
         else:  # a draft model's tokens cost passes: decide first, then draft that many

@@ -150,20 +150,26 @@ class DraftPlanner:
         rows = max(base_rows, 1)
         return (rows + 1 / MARGIN) * self.cost(rows) > rows * self.cost(rows + 1, rows)
 
-    def hopeless(self, base_rows: int) -> bool:
-        """Whether plan() would keep no draft this step whatever was proposed: not even the
-        first draft of the best kind seen (or of a new kind, at the engine's rate) pays for
-        its row. The engine then proposes only for sequences due to explore (idle_step), which
-        saves the proposers' work on every step of a batch where drafts do not pay."""
+    def paying_drafts(self, base_rows: int) -> int:
+        """The most drafts plan() could keep for one sequence this step: its i-th draft gains at
+        most best^i (best: the likeliest kind seen, or a new kind at the engine's rate), and
+        a gain that does not pay at the step's base rows pays even less once drafts are kept
+        (more tokens to beat, rows no cheaper). 0: plan() keeps none but explorations. The
+        engine proposes at most this many drafts (a suffix proposal costs a look-up per
+        drafted token), and none but explorations at 0."""
         if self.cost is None:
-            return False
+            return self.max_length
         t = self.total
         best = max([t.accepted / (t.accepted + t.rejected)] + [self.alpha(k) for k in self.kinds])
         rows = max(base_rows, 1)
-        return (rows + best / MARGIN) * self.cost(rows, rows) <= rows * self.cost(rows + 1, rows)
+        now, more = self.cost(rows, rows), self.cost(rows + 1, rows)
+        n = 0
+        while n < self.max_length and (rows + best ** (n + 1) / MARGIN) * now > rows * more:
+            n += 1
+        return n
 
     def idle_step(self, seq_ids: list[int]) -> set[int]:
-        """A step where the sequences were not proposed for (hopeless): each counts it as a
+        """A step where the sequences were not proposed for (no paying drafts): each counts it as a
         step without a draft, as plan() counts one; returns those due to explore (EXPLORE
         such steps), whose proposals plan() then keeps one draft of."""
         due = set()
