@@ -140,6 +140,11 @@ class DraftPlanner:
         rate = t.accepted / (t.accepted + t.rejected)
         return (s.accepted + PRIOR * rate) / (s.accepted + s.rejected + PRIOR)
 
+    def _pays(self, gain: float, tokens: float, rows: int, base: int) -> bool:
+        """Whether a draft expected to add `gain` tokens raises the step's tokens per second
+        (by MARGIN) when the step holds `tokens` expected tokens in `rows` rows, base its own."""
+        return (tokens + gain / MARGIN) * self.cost(rows, base) > tokens * self.cost(rows + 1, base)
+
     def worthwhile(self, base_rows: int) -> bool:
         """Whether a draft could pay at all this step (a certain one: a row's cost against a
         token); when not, the engine skips proposing. (Judged by the likeliest kind's rate
@@ -148,7 +153,7 @@ class DraftPlanner:
         if self.cost is None:
             return True
         rows = max(base_rows, 1)
-        return (rows + 1 / MARGIN) * self.cost(rows) > rows * self.cost(rows + 1, rows)
+        return self._pays(1.0, rows, rows, rows)
 
     def paying_drafts(self, base_rows: int) -> int:
         """The most drafts plan() could keep for one sequence this step: its i-th draft gains at
@@ -162,9 +167,8 @@ class DraftPlanner:
         t = self.total
         best = max([t.accepted / (t.accepted + t.rejected)] + [self.alpha(k) for k in self.kinds])
         rows = max(base_rows, 1)
-        now, more = self.cost(rows, rows), self.cost(rows + 1, rows)
         n = 0
-        while n < self.max_length and (rows + best ** (n + 1) / MARGIN) * now > rows * more:
+        while n < self.max_length and self._pays(best ** (n + 1), rows, rows, rows):
             n += 1
         return n
 
@@ -192,8 +196,7 @@ class DraftPlanner:
         base = max(base_rows, 1)
         tokens, rows = float(base), base
         for gain, sid in gains:
-            now, more = self.cost(rows, base), self.cost(rows + 1, base)
-            if (tokens + gain / MARGIN) * now <= tokens * more:
+            if not self._pays(gain, tokens, rows, base):
                 break
             keep[sid] += 1
             tokens += gain
