@@ -152,7 +152,8 @@ def test_decode_attention(kops, dtype, window, threads, block_size, seqs, head_d
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-@pytest.mark.parametrize("head_dim", [32, 40])
+# 64: two 32-column groups summed per key (keys in lanes on AVX512-BF16, attention_lanes.h)
+@pytest.mark.parametrize("head_dim", [32, 40, 64])
 # rows per sequence: one verifying 5 drafts (6 rows), one 2, a lone row, 12 rows (cut in runs of
 # at most 32 / group); [1, 9]: one long run and nothing else (split for the threads)
 @pytest.mark.parametrize("runs", [[6, 2, 1, 12], [9]])

@@ -3,6 +3,7 @@
 #include <type_traits>
 
 #include "attention_common.h"
+#include "attention_lanes.h"
 #include "attention_pairs.h"
 #include "tm.h"
 #include "vec.h"
@@ -169,6 +170,7 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
   auto kv_col = [&](int64_t g) { return g % nq / heads * D; };  // g's KV head in the slice
 #ifdef TM_ISA_AVX512_BF16
   constexpr bool kDot = std::is_same_v<T, bf16>;  // scores (and values) on VDPBF16PS
+  const bool lanes = kDot && D % 32 == 0 && nrows * heads >= kLaneQueries;
 #else
   constexpr bool kDot = false;
 #endif
@@ -178,8 +180,18 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
   }
   walk(keys, start, [&](int64_t at, int64_t rows, const T* k) {
 #ifdef TM_ISA_AVX512_BF16
-    if constexpr (kDot) {  // every query reads the cache rows directly
-      for (int64_t g = 0; g < total; ++g)
+    if constexpr (kDot) {
+      if (lanes) {  // each KV head's keys transposed once for all its queries
+        alignas(64) uint32_t kt[kMaxHeadDim / 2 * 16];
+        for (int64_t c = 0; c < kv; ++c) {
+          transpose_keys(k + c * D, row, rows, D, kt);
+          for (int64_t r = 0; r < nrows; ++r)
+            for (int64_t i = c * heads; i < (c + 1) * heads; ++i)
+              score_lanes(query(r * nq + i), kt, rows, D, scale, scores + (r * nq + i) * n + at);
+        }
+        return;
+      }
+      for (int64_t g = 0; g < total; ++g)  // every query reads the cache rows directly
         score_dot(query(g), k + kv_col(g), row, rows, D, scale, scores + g * n + at);
       return;
     }
