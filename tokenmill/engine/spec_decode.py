@@ -40,9 +40,9 @@ class SpecDecoder:
         if limit is not None and len(running) > limit:
             return
         decoding = [s for s in running if s.is_decoding and s.grammar is None]
-        base_rows = len(decoding) + sum(s.num_uncomputed_tokens for s in running
-                                        if not s.is_decoding)
-        if not self.planner.worthwhile(base_rows):
+        prefill = sum(s.num_uncomputed_tokens for s in running if not s.is_decoding)
+        base_rows = len(decoding) + prefill
+        if not self.planner.worthwhile(base_rows, prefill):
             return
         room = {s.seq_id: min(self.config.num_speculative_tokens, self._room(s))
                 for s in decoding}
@@ -50,15 +50,16 @@ class SpecDecoder:
         if not seqs:
             return
         if getattr(self.proposer, "cheap", False):  # propose all, then keep what pays
-            paying = self.planner.paying_drafts(base_rows)
+            paying = self.planner.paying_drafts(base_rows, prefill)
             if not paying:  # none would be kept: only explorations (one draft each)
                 due = self.planner.idle_step([s.seq_id for s in seqs])
                 seqs = [s for s in seqs if s.seq_id in due]
             props = self._proposals(seqs, [min(room[s.seq_id], max(paying, 1)) for s in seqs])
             keep = self.planner.plan({sid: (len(p.tokens), p.kind) for sid, p in props.items()},
-                                     base_rows)
+                                     base_rows, prefill)
         else:  # a draft model's tokens cost passes: decide first, then draft that many
-            keep = self.planner.plan({s.seq_id: (room[s.seq_id], 0) for s in seqs}, base_rows)
+            keep = self.planner.plan({s.seq_id: (room[s.seq_id], 0) for s in seqs}, base_rows,
+                                     prefill)
             seqs = [s for s in seqs if keep[s.seq_id]]
             props = self._proposals(seqs, [keep[s.seq_id] for s in seqs])
         for seq in seqs:
