@@ -69,6 +69,7 @@ class StepCost:
         self.overhead, self.per_seq, self.per_draft = 0.0, 0.0, 0.0
         span = max(self.rows[-1] - self.rows[0], 1)
         self.floor = -0.5 * (self.seconds[-1] - self.seconds[0]) / span  # per_seq, per_draft
+        self._forward: dict[int, float] = {}  # forward(r) by r (the ladder never changes)
         self.recent: deque[tuple[float, float, float]] = deque(maxlen=OBSERVED_STEPS)
         self.sums = [0.0] * 9  # n, x1, x2, y, x1x1, x2x2, x1x2, x1y, x2y
 
@@ -80,6 +81,12 @@ class StepCost:
                    + self.per_draft * (r - seqs), 0.1 * forward)
 
     def forward(self, r: int) -> float:
+        seconds = self._forward.get(r)
+        if seconds is None:
+            seconds = self._forward[r] = self._interpolate(r)
+        return seconds
+
+    def _interpolate(self, r: int) -> float:
         rows, secs = self.rows, self.seconds
         if len(rows) == 1:
             return secs[0] * max(r, 1) / rows[0]
@@ -222,7 +229,8 @@ class DraftPlanner:
         the step before any draft: one per decoding sequence, plus `prefill` prompt rows."""
         if self.cost is None:
             return {sid: min(n, self.max_length) for sid, (n, _) in proposals.items()}
-        gains = sorted(((self.alpha(kind) ** (i + 1), sid) for sid, (n, kind) in
+        alphas = {kind: self.alpha(kind) for _, kind in proposals.values()}
+        gains = sorted(((alphas[kind] ** (i + 1), sid) for sid, (n, kind) in
                         proposals.items() for i in range(min(n, self.max_length))),
                        reverse=True)
         keep = dict.fromkeys(proposals, 0)
