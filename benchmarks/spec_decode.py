@@ -106,28 +106,36 @@ def concurrent(engines: dict, kind: str, max_tokens: int, rounds: int) -> dict:
     for llm in engines.values():
         llm.chat(convs[:2], params, use_tqdm=False)  # warm-up
     for r in range(rounds):
-        live = {name: {llm.engine.add_request(None, llm.chat_prompt(c), params) for c in convs}
-                for name, llm in engines.items()}
-        while live:
-            for name, llm in _order(engines, r):
-                if name not in live:
-                    continue
-                a = acc[name]
-                start = time.perf_counter()
-                outs = llm.engine.step()
-                a["seconds"] += time.perf_counter() - start
-                for o in outs:
-                    if not o.finished:
-                        continue
-                    live[name].discard(o.request_id)
-                    a["tokens"] += len(o.outputs[0].token_ids)
-                    a["drafted"] += o.metrics.num_draft_tokens
-                    a["accepted"] += o.metrics.num_accepted_tokens
-                if not live[name]:
-                    del live[name]
+        for name, finished, seconds in side_by_side(engines, convs, params, r):
+            a = acc[name]
+            a["seconds"] += seconds
+            for o in finished:
+                a["tokens"] += len(o.outputs[0].token_ids)
+                a["drafted"] += o.metrics.num_draft_tokens
+                a["accepted"] += o.metrics.num_accepted_tokens
     return {name: {"output_tok_s": a["tokens"] / a["seconds"], "tokens": a["tokens"],
                    "acceptance": a["accepted"] / a["drafted"] if a["drafted"] else None}
             for name, a in acc.items()}
+
+
+def side_by_side(engines: dict, convs: list, params, r: int = 0):
+    """Every conversation as a request on every engine, then one step of each engine in turn
+    (in _order(engines, r)) until all are done; yields (engine name, its requests that finished
+    in the step, the step's seconds)."""
+    live = {name: {llm.engine.add_request(None, llm.chat_prompt(c), params) for c in convs}
+            for name, llm in engines.items()}
+    while live:
+        for name, llm in _order(engines, r):
+            if name not in live:
+                continue
+            start = time.perf_counter()
+            outs = llm.engine.step()
+            seconds = time.perf_counter() - start
+            finished = [o for o in outs if o.finished and o.request_id in live[name]]
+            live[name].difference_update(o.request_id for o in finished)
+            if not live[name]:
+                del live[name]
+            yield name, finished, seconds
 
 
 def tokenmill_rows(args, model: str) -> dict:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import machine  # noqa: E402
-from benchmarks.spec_decode import CONFIGS, conversations  # noqa: E402
+from benchmarks.spec_decode import CONFIGS, conversations, side_by_side  # noqa: E402
 
 SCALES = (0.5, 0.75, 1.0, 1.25)  # draft-row costs replayed, x the fitted one
 SPEC = "ngram k8 n1-8"
@@ -45,11 +44,10 @@ def record(engines: dict, max_tokens: int) -> tuple[list[dict], dict]:
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     convs = conversations("grounded", variants=4)
-    steps, live, outputs, last = {}, {}, [], {}
+    steps, outputs, last = {}, [], {}
     for name, llm in engines.items():
         llm.chat(convs[:2], params, use_tqdm=False)  # warm-up
         steps[name] = []
-        live[name] = {llm.engine.add_request(None, llm.chat_prompt(c), params) for c in convs}
         schedule = llm.engine.scheduler.schedule
 
         def captured(schedule=schedule, name=name):
@@ -59,25 +57,15 @@ def record(engines: dict, max_tokens: int) -> tuple[list[dict], dict]:
             return sched
 
         llm.engine.scheduler.schedule = captured
-    while live:
-        for name, llm in engines.items():
-            if name not in live:
-                continue
-            last[name] = []
-            start = time.perf_counter()
-            outs = llm.engine.step()
-            seconds = time.perf_counter() - start
-            if last[name] and all(decode for *_, decode in last[name]):
-                steps[name].append((len(last[name]), sum(n for n, *_ in last[name]),
-                                    sum(d for _, d, _ in last[name]), seconds))
-            for o in outs:
-                if o.finished and o.request_id in live[name]:
-                    live[name].discard(o.request_id)
-                    if name == next(iter(engines)):
-                        outputs.append(dict(prompt=list(o.prompt_token_ids),
-                                            out=list(o.outputs[0].token_ids)))
-            if not live[name]:
-                del live[name]
+    first = next(iter(engines))
+    for name, finished, seconds in side_by_side(engines, convs, params):
+        rows, last[name] = last.get(name, []), []
+        if rows and all(decode for *_, decode in rows):
+            steps[name].append((len(rows), sum(n for n, *_ in rows),
+                                sum(d for _, d, _ in rows), seconds))
+        if name == first:
+            outputs += [dict(prompt=list(o.prompt_token_ids), out=list(o.outputs[0].token_ids))
+                        for o in finished]
     return outputs, steps
 
 
