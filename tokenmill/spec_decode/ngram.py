@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from tokenmill.engine.sequence import Sequence
 from tokenmill.spec_decode.config import SpeculativeConfig
-from tokenmill.spec_decode.proposal import Proposal, context_keys
+from tokenmill.spec_decode.proposal import KEY_BITS, Proposal, context_keys
 
 
 class NgramIndex:
@@ -20,11 +20,16 @@ class NgramIndex:
         self.indexed = 0  # positions e < indexed are in the index
 
     def extend(self, tokens: list[int]) -> None:
-        """Index every end e < len(tokens): each has its next token, tokens[e]."""
-        for e in range(max(self.indexed, self.lo), len(tokens)):
-            keys = context_keys(tokens, e, min(self.hi, e))
-            for n in range(self.lo, len(keys) + 1):
-                self.ends[keys[n - 1]] = e
+        """Index every end e < len(tokens): each has its next token, tokens[e]. (context_keys'
+        packing, inlined: this runs for every token of every sequence.)"""
+        ends, lo, hi = self.ends, self.lo, self.hi
+        for e in range(max(self.indexed, lo), len(tokens)):
+            packed = shift = 0
+            for n, t in enumerate(reversed(tokens[max(e - hi, 0): e]), 1):
+                packed |= t << shift
+                shift += KEY_BITS
+                if n >= lo:
+                    ends[packed | 1 << shift] = e
         self.indexed = max(self.indexed, len(tokens))
 
     def propose(self, tokens: list[int], k: int) -> tuple[list[int], int]:
