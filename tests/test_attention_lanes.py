@@ -1,6 +1,7 @@
-"""Decode attention's two bf16 score paths (AVX512-BF16 build) give bit-identical scores: per key
-with a horizontal reduction (score_dot, attention.cpp) and keys in lanes after a transpose
-(score_lanes, attention_lanes.h). A task takes one or the other by its number of queries, so a
+"""Decode attention's bf16 score paths (AVX512-BF16 build) give bit-identical scores: per key
+with a horizontal reduction (score_dot, attention.cpp) and keys in lanes after a transpose, one
+query at a time (score_lanes) or several sharing each loaded plane (score_lanes_all,
+attention_lanes.h). A task takes one or the other by its number of queries, so a
 verifying row's scores must equal what the row gets alone to the last bit; the attention output
 (probabilities rounded to bf16, a bf16 result) hides most last-bit differences, so the scores
 are compared directly, by a small program built from the kernel sources."""
@@ -28,15 +29,24 @@ int main() {
     for (int rows = 1; rows <= 16; ++rows)
       for (int trial = 0; trial < 40; ++trial) {
         const int stride = 3 * D + 14;  // a KV head's slice of a wider cache row
-        std::vector<tm::bf16> q(D), k(16 * stride);
+        const int count = trial % 9 + 1;  // queries scored together by score_lanes_all
+        std::vector<tm::bf16> q(count * D), k(16 * stride);
         for (auto& x : q) x = tm::from_f<tm::bf16>(u() * (trial % 7 + 1));
         for (auto& x : k) x = tm::from_f<tm::bf16>(u());
-        float a[16], b[16];
+        float a[9][16], b[16], c[9][16];
+        const tm::bf16* qs[9];
+        float* cs[9];
         alignas(64) uint32_t kt[tm::kMaxHeadDim / 2 * 16];
-        tm::score_dot(q.data(), k.data(), stride, rows, D, 0.125f, a);
         tm::transpose_keys(k.data(), stride, rows, D, kt);
+        for (int g = 0; g < count; ++g) {
+          tm::score_dot(q.data() + g * D, k.data(), stride, rows, D, 0.125f, a[g]);
+          qs[g] = q.data() + g * D, cs[g] = c[g];
+        }
         tm::score_lanes(q.data(), kt, rows, D, 0.125f, b);
-        for (int j = 0; j < rows; ++j, ++total) differ += std::memcmp(&a[j], &b[j], 4) != 0;
+        tm::score_lanes_all(qs, kt, rows, D, 0.125f, cs, count);
+        for (int j = 0; j < rows; ++j, ++total) differ += std::memcmp(&a[0][j], &b[j], 4) != 0;
+        for (int g = 0; g < count; ++g)
+          for (int j = 0; j < rows; ++j, ++total) differ += std::memcmp(&a[g][j], &c[g][j], 4) != 0;
       }
   std::printf("%ld %ld\n", differ, total);
 }
@@ -53,5 +63,6 @@ def test_lanes_scores_equal_per_key_scores(tmp_path):
                     "-fopenmp", f"-I{CSRC}", str(src), "-o", str(exe)], check=True)
     differ, total = map(int, subprocess.run([str(exe)], capture_output=True, text=True,
                                             check=True).stdout.split())
-    assert total == 4 * 136 * 40  # every head_dim, 1-16 keys, 40 draws
+    # every head_dim, 1-16 keys, 40 draws: score_lanes, then 1-9 queries together
+    assert total == 4 * 136 * (40 + sum(t % 9 + 1 for t in range(40)))
     assert differ == 0
