@@ -64,6 +64,25 @@ def test_quantized_linear(lib, bits, dtype, rows):
     assert ((got.float() - exact).norm() / exact.norm()).item() < 0.02
 
 
+@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_integer_sums_at_their_bound(lib, bits, sign):
+    """The largest codes against activations all at +-127 (a constant block): where a kernel's
+    narrow integer partial sums (AVX2 adds pair sums in int16) would overflow first."""
+    n, k = 32, 128
+    codes = torch.full((n, k), (1 << bits) - 1, dtype=torch.uint8)
+    codes[1::2, ::3] = 0  # and a few rows mixing both ends
+    d = torch.full((n, k // 32), 1e-3).half()
+    m = torch.full((n, k // 32), -1e-2).half()
+    bq = BlockQuant(codes, d, m, bits)
+    layer = lib.qpack(bq.codes, bq.d, bq.m, bits)
+    x = torch.full((5, k), sign * 3.0)  # quantizes to +-127 in every position
+    x[3] = -x[3]
+    want = linear_ref(x, bq, None)
+    got = lib.linear(x, layer, out_fp32=True)
+    assert (got - want).abs().max().item() < 2e-5 * want.abs().max().item()
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_row_does_not_depend_on_the_other_rows(lib, bits):
     """Each output is computed the same whatever tile its row lands in (row tiles of 1-8 rows,

@@ -206,6 +206,17 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
       s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, x), ones));
     };
     if constexpr (BITS != 8) {
+      // The pair sums add up in int16 before one VPMADDWD widens them: a pair is at most
+      // 2 * 15 * 127 = 3,810 (5-bit codes: 7,874), so all 8 of a block (5-bit: 4) fit in 16
+      // bits; half the multiplies of widening every pair, the same integers
+      __m256i p[R];
+      for (int r = 0; r < R; ++r) p[r] = _mm256_setzero_si256();
+      auto widen = [&] {
+        for (int r = 0; r < R; ++r) {
+          s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(p[r], ones));
+          p[r] = _mm256_setzero_si256();
+        }
+      };
       for (int j = 0; j < 4; ++j) {
         __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + 64 * j));
         __m256i lo = _mm256_and_si256(v, nib), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
@@ -215,10 +226,12 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
           hi = _mm256_or_si256(hi, fifth_bits(planes + 8));
         }
         for (int r = 0; r < R; ++r) {
-          dot(r, lo, x4(r, 4 * j));
-          dot(r, hi, x4(r, 16 + 4 * j));
+          p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(lo, x4(r, 4 * j)));
+          p[r] = _mm256_add_epi16(p[r], _mm256_maddubs_epi16(hi, x4(r, 16 + 4 * j)));
         }
+        if (BITS == 5 && j == 1) widen();
       }
+      widen();
     } else {
       for (int j = 0; j < 8; ++j) {
         __m256i v = _mm256_xor_si256(
