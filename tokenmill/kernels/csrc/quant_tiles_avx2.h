@@ -1,0 +1,139 @@
+// tokenmill CPU kernels: the AVX2 register tiles of quant_tiles.h (included there, inside
+// namespace tm, when the library is built for AVX2 without AVX-512 VNNI).
+#pragma once
+
+// AVX2 without VNNI: VPMADDUBSW (unsigned codes x signed int8, adjacent pairs summed to int16)
+// then VPMADDWD by ones. 4-bit codes: a pair is at most 2 * 15 * 127, no saturation. 8-bit
+// codes go signed, c - 128, with their sign moved onto x (|c - 128| <= 128: a pair stays below
+// 2**15); the 128 * sum(q) share joins m: w = d (c - 128) + (m + 128 d). Half a group (8
+// outputs) per pass, up to 4 rows (16 ymm registers).
+// 32 bits -> 32 bytes: 16 where the bit is set, else 0
+inline __m256i fifth_bits(const uint8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2,
+                                          2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+  const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
+  __m256i v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(bits), spread), select);
+  return _mm256_and_si256(_mm256_cmpeq_epi8(v, select), _mm256_set1_epi8(16));
+}
+
+// H halves of the group (from `half` on) in one pass: with 1-2 rows the registers hold both,
+// and the rows' x broadcasts serve both halves
+template <int R, int H, int BITS>
+void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
+               int half, float (*y)[kGroup], const uint8_t* pf) {
+  const int64_t blocks = K / kBlock;
+  const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 acc[H][R];
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = w + b * group_bytes(BITS);
+    prefetch_block<BITS>(pf ? pf + b * group_bytes(BITS) : nullptr);
+    const uint8_t* codes[H];
+    __m256 d[H], m[H];
+    for (int h = 0; h < H; ++h) {
+      const int64_t hh = half + h;
+      codes[h] = blk + 64 + 32 * hh;
+      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * hh)));
+      m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * hh)));
+      if constexpr (BITS == 8) m[h] = _mm256_fmadd_ps(d[h], _mm256_set1_ps(128.f), m[h]);
+    }
+    __m256i s[H][R];
+    for (int h = 0; h < H; ++h)
+      for (int r = 0; r < R; ++r) s[h][r] = _mm256_setzero_si256();
+    const int8_t* xb = xq + b * kBlock;
+    auto x4 = [&](int r, int k) {
+      int32_t v;
+      std::memcpy(&v, xb + r * K + k, 4);
+      return _mm256_set1_epi32(v);
+    };
+    if constexpr (BITS != 8) {
+      // The pair sums add up in int16 before one VPMADDWD widens them: a pair is at most
+      // 2 * 15 * 127 = 3,810 (5-bit codes: 7,874), so all 8 of a block (5-bit: 4) fit in 16
+      // bits; half the multiplies of widening every pair, the same integers
+      __m256i p[H][R];
+      for (int h = 0; h < H; ++h)
+        for (int r = 0; r < R; ++r) p[h][r] = _mm256_setzero_si256();
+      auto widen = [&] {
+        for (int h = 0; h < H; ++h)
+          for (int r = 0; r < R; ++r) {
+            s[h][r] = _mm256_add_epi32(s[h][r], _mm256_madd_epi16(p[h][r], ones));
+            p[h][r] = _mm256_setzero_si256();
+          }
+      };
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo[H], hi[H];
+        for (int h = 0; h < H; ++h) {
+          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[h] + 64 * j));
+          lo[h] = _mm256_and_si256(v, nib), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+          if constexpr (BITS == 5) {  // this half's fifth bits
+            const uint8_t* planes = blk + 64 + 256 + 16 * j + 4 * (half + h);
+            lo[h] = _mm256_or_si256(lo[h], fifth_bits(planes));
+            hi[h] = _mm256_or_si256(hi[h], fifth_bits(planes + 8));
+          }
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i xl = x4(r, 4 * j), xh = x4(r, 16 + 4 * j);
+          for (int h = 0; h < H; ++h) {
+            p[h][r] = _mm256_add_epi16(p[h][r], _mm256_maddubs_epi16(lo[h], xl));
+            p[h][r] = _mm256_add_epi16(p[h][r], _mm256_maddubs_epi16(hi[h], xh));
+          }
+        }
+        if (BITS == 5 && j == 1) widen();
+      }
+      widen();
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        __m256i v[H], a[H];
+        for (int h = 0; h < H; ++h) {
+          v[h] = _mm256_xor_si256(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[h] + 64 * j)), flip);
+          a[h] = _mm256_abs_epi8(v[h]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = x4(r, 4 * j);
+          for (int h = 0; h < H; ++h)
+            s[h][r] = _mm256_add_epi32(
+                s[h][r], _mm256_madd_epi16(_mm256_maddubs_epi16(a[h], _mm256_sign_epi8(x, v[h])),
+                                           ones));
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 xd = _mm256_set1_ps(dx[r * blocks + b]), xs = _mm256_set1_ps(sx[r * blocks + b]);
+      for (int h = 0; h < H; ++h) {
+        __m256 scale = _mm256_mul_ps(d[h], xd);
+        acc[h][r] = _mm256_fmadd_ps(m[h], xs, acc[h][r]);
+        acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][r]), scale, acc[h][r]);
+      }
+    }
+  }
+  for (int h = 0; h < H; ++h)
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y[r] + 8 * (half + h), acc[h][r]);
+}
+
+template <int BITS>
+void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
+          const uint8_t* w, float (*y)[kGroup], const uint8_t* pf = nullptr) {
+  const int64_t blocks = K / kBlock;
+  for (int r0 = 0; r0 < R; r0 += 4) {
+    const int8_t* x = xq + r0 * K;
+    const float *d = dx + r0 * blocks, *s = sx + r0 * blocks;
+    const uint8_t* p = r0 == 0 ? pf : nullptr;  // the first pass prefetches
+    switch (std::min(4, R - r0)) {
+      case 1: tile_avx2<1, 2, BITS>(x, d, s, K, w, 0, y + r0, p); break;
+      case 2: tile_avx2<2, 2, BITS>(x, d, s, K, w, 0, y + r0, p); break;
+      case 3:
+        tile_avx2<3, 1, BITS>(x, d, s, K, w, 0, y + r0, p);
+        tile_avx2<3, 1, BITS>(x, d, s, K, w, 1, y + r0, nullptr);
+        break;
+      default:
+        tile_avx2<4, 1, BITS>(x, d, s, K, w, 0, y + r0, p);
+        tile_avx2<4, 1, BITS>(x, d, s, K, w, 1, y + r0, nullptr);
+    }
+  }
+}
+constexpr bool kFastQuant = true;
