@@ -5,8 +5,9 @@
 // AVX2 without VNNI: VPMADDUBSW (unsigned codes x signed int8, adjacent pairs summed to int16)
 // then VPMADDWD by ones. 4-bit codes: a pair is at most 2 * 15 * 127, no saturation. 8-bit
 // codes go signed, c - 128, with their sign moved onto x (|c - 128| <= 128: a pair stays below
-// 2**15); the 128 * sum(q) share joins m: w = d (c - 128) + (m + 128 d). Half a group (8
-// outputs) per pass, up to 4 rows (16 ymm registers).
+// 2**15); the 128 * sum(q) share joins m: w = d (c - 128) + (m + 128 d). 1-2 rows take the
+// whole group (16 outputs) in one pass; 3-4 rows half a group (8 outputs) per pass (16 ymm
+// registers).
 // 32 bits -> 32 bytes: 16 where the bit is set, else 0
 inline __m256i fifth_bits(const uint8_t* p) {
   int32_t bits;
