@@ -127,6 +127,15 @@ def test_bad_quantized_weights_are_refused(lib):
         BlockQuant(bq.codes, bq.d[:, :1], bq.m[:, :1], 4)
     with pytest.raises(ValueError, match="4-bit quantized weight has codes above 15"):
         BlockQuant(bq.codes + 16, bq.d, bq.m, 4)
+    for bad in (float("inf"), float("-inf"), float("nan")):  # any non-finite d or m
+        for which in ("d", "m"):
+            scales = {"d": bq.d.clone(), "m": bq.m.clone()}
+            scales[which][3, 1] = bad
+            with pytest.raises(ValueError, match="overflow float16"):
+                BlockQuant(bq.codes, scales["d"], scales["m"], 4)
+    edge = bq.d.clone()
+    edge[0, 0], edge[1, 1] = 65504.0, -65504.0  # the largest finite float16 values pass
+    BlockQuant(bq.codes, edge, bq.m, 4)
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize(torch.randn(4, 48), "int4")
     with pytest.raises(ValueError, match="not supported"):

@@ -142,31 +142,37 @@ void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const uint16_t*
               int64_t k, uint8_t* out) {
   using namespace tm;
   const int64_t blocks = k / kBlock, groups = (n + kGroup - 1) / kGroup;
+  const int64_t gbytes = group_bytes(bits);
   parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g)
-      for (int64_t b = 0; b < blocks; ++b) {
-        uint8_t* blk = out + (g * blocks + b) * group_bytes(bits);
-        std::memset(blk, 0, group_bytes(bits));
-        auto* h = reinterpret_cast<uint16_t*>(blk);
-        for (int64_t o = 0; o < kGroup && g * kGroup + o < n; ++o) {
-          const int64_t row = g * kGroup + o;
+    for (int64_t g = g0; g < g1; ++g) {
+      uint8_t* grp = out + g * blocks * gbytes;
+      std::memset(grp, 0, blocks * gbytes);  // rows past n stay zero; 5-bit words are OR-ed
+      for (int64_t o = 0; o < kGroup && g * kGroup + o < n; ++o) {
+        const int64_t row = g * kGroup + o;
+        for (int64_t b = 0; b < blocks; ++b) {
+          uint8_t* blk = grp + b * gbytes;
+          auto* h = reinterpret_cast<uint16_t*>(blk);
           h[o] = d[row * blocks + b];
           h[kGroup + o] = m[row * blocks + b];
           const uint8_t* c = codes + row * k + b * kBlock;
-          for (int64_t kk = 0; kk < kBlock; ++kk) {
-            if (bits == 8) {
-              blk[64 + 64 * (kk / 4) + 4 * o + kk % 4] = c[kk];
-              continue;
-            }
-            int64_t j = kk % 16, p = 4 * o + j % 4;
-            blk[64 + 64 * (j / 4) + p] |= (c[kk] & 0xF) << (kk < 16 ? 0 : 4);
-            if (bits == 5 && (c[kk] & 0x10)) {
-              uint8_t* word = blk + 64 + 256 + 8 * (2 * (j / 4) + (kk >= 16));
-              word[p / 8] |= static_cast<uint8_t>(1u << (p % 8));
-            }
+          uint8_t* q = blk + 64 + 4 * o;  // chunk j's 4 bytes of output o: q[64 j + t]
+          if (bits == 8) {
+            for (int64_t kk = 0; kk < kBlock; ++kk) q[64 * (kk / 4) + kk % 4] = c[kk];
+            continue;
+          }
+          for (int64_t j = 0; j < 16; ++j)  // low nibble code j, high nibble code 16 + j
+            q[64 * (j / 4) + j % 4] = static_cast<uint8_t>((c[j] & 0xF) | (c[16 + j] & 0xF) << 4);
+          if (bits != 5) continue;
+          // fifth bits: word 2 j + h (h: low/high nibble), bits 4 o .. 4 o + 3 = codes t of chunk j
+          for (int64_t w = 0; w < 8; ++w) {
+            const uint8_t* cw = c + 16 * (w % 2) + 4 * (w / 2);
+            unsigned nib = (cw[0] >> 4 & 1) | (cw[1] >> 4 & 1) << 1 | (cw[2] >> 4 & 1) << 2 |
+                           (cw[3] >> 4 & 1) << 3;
+            blk[64 + 256 + 8 * w + o / 2] |= static_cast<uint8_t>(nib << 4 * (o % 2));
           }
         }
       }
+    }
   });
 }
 
