@@ -10,7 +10,8 @@
 # benchmark model's skeleton (shape_model.py: same shapes, random weights; speed only) and the
 # test fixtures. `run` prints the CPU, runs the kernel and model tests on every kernel build the
 # CPU runs, then compare_llamacpp, serve_compare (tokenmill and llama-server), throughput,
-# startup and thread_scaling, each log under $OUT (default /tmp/offline-out). The GPU, if any,
+# startup and thread_scaling (also with the OpenMP pool bound to cores, and passive), eight
+# logs under $OUT (default /tmp/offline-out). The GPU, if any,
 # is hidden: these are CPU numbers. vLLM CPU is not in the bundle (it and its torch are ~1 GB).
 set -u
 cmd=${1:?prepare or run}; dir=${2:-.offline}
@@ -69,12 +70,18 @@ timeout "${TEST_BUDGET:-300}" $PY -m pytest -q $xdist -p no:cacheprovider -rfE \
   -m "not smollm2 and not gemma3 and not slow" $tests > "$OUT/tests.log" 2>&1
 echo "pytest rc $?" >> "$OUT/tests.log"; tail -4 "$OUT/tests.log"
 t "waiting for the llama.cpp build"; wait; tail -1 "$OUT/llama_build.log" 2>/dev/null
-run() { local name=$1 limit=$2; shift 2; t "$name"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; tail -"${TAIL:-8}" "$OUT/$name.log"; }
+run() { local name=$1 limit=$2; shift 2; t "$name" | tee -a "$OUT/$name.log"
+  timeout "$limit" "$@" >> "$OUT/$name.log" 2>&1; tail -"${TAIL:-8}" "$OUT/$name.log"; }
 run compare 200 $PY benchmarks/compare_llamacpp.py --model "$M" --rounds 2
 run serve 240 $PY benchmarks/serve_compare.py --model "$M" --engines tokenmill,llama.cpp \
   --num-prompts 32
 OMP_NUM_THREADS=2 run throughput 240 $PY benchmarks/throughput.py --model "$M" --num-prompts 24
 run startup 120 $PY benchmarks/startup.py --model "$M" --runs 2
 run thread_scaling 300 $PY benchmarks/thread_scaling.py --model "$M" --gen 64
+# the OpenMP pool pinned (a spinning worker can no longer share the Python thread's core) and
+# sleeping at once: tokenmill only, llama.cpp runs its own threads
+OMP_PROC_BIND=close OMP_PLACES=cores run thread_scaling 200 $PY benchmarks/thread_scaling.py \
+  --model "$M" --gen 64 --skip-llama
+OMP_WAIT_POLICY=PASSIVE run thread_scaling 200 $PY benchmarks/thread_scaling.py \
+  --model "$M" --gen 64 --skip-llama
 t done
