@@ -302,13 +302,20 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
   // task before: +0.9 ms a 16-sequence step of 30 layers for one drafted token).
   // Whole GQA groups as soon as there is a (unit, KV head) task per thread: a query-head task
   // reads and widens the same cache rows as its group's others, so splitting a group only pays
-  // where threads would idle (one sequence, 3 KV heads, 2 threads: 30 layers at 2,048
-  // positions 267 -> 230 us a layer, bit for bit the same; 1 thread 435 -> 312). One KV head
-  // shared by many query heads (MLA's latent rows) keeps whole groups from a unit per thread.
-  // A step with little work stays on the calling thread.
+  // where threads would idle (one sequence, 3 KV heads, 2 threads, AVX2: 30 layers at 2,048
+  // positions 261 -> 225 us a layer, bit for bit the same; 1 thread 435 -> 323). On VDPBF16PS
+  // a lone bf16 query scores the cache rows in place (score_dot: nothing widened to share):
+  // groups stay split below 4 tasks a thread there, as measured before (not re-measured).
+  // One KV head shared by many query heads (MLA's latent rows) keeps whole groups from a unit
+  // per thread. A step with little work stays on the calling thread.
+#ifdef TM_ISA_AVX512_BF16
+  constexpr int64_t per_thread = std::is_same_v<T, bf16> ? 4 : 1;
+#else
+  constexpr int64_t per_thread = 1;
+#endif
   int64_t wide = 1;  // KV heads a task of a single-row unit
-  int64_t heads = U * Hk >= threads || unit_rows > 1 || (Hk == 1 && group >= 8 && U >= threads)
-                      ? group : 1;
+  int64_t heads = U * Hk >= per_thread * threads || unit_rows > 1 ||
+                          (Hk == 1 && group >= 8 && U >= threads) ? group : 1;
   if (U >= 4 * threads)
     for (int64_t k = Hk; k > 1; --k)
       if (Hk % k == 0 && k * D <= kMaxHeadDim) { wide = k; break; }
