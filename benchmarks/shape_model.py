@@ -63,11 +63,13 @@ def fill(src: Path, seed: int = 0) -> Path:
     import gguf
 
     reader = gguf.GGUFReader(str(src))
-    dst = bench_dir() / f"{reader.fields[STEM].contents()}-random.BF16.gguf"
+    stem = reader.fields[STEM].contents()
+    dst = bench_dir() / f"{stem}-random.BF16.gguf"
     writer = gguf.GGUFWriter(str(dst.with_suffix(".tmp")),
                              reader.fields["general.architecture"].contents())
     _copy_fields(reader, writer, skip=(TENSORS, STEM, "general.name"))
-    writer.add_name(f"{reader.fields['general.name'].contents()} (random weights)")
+    name = reader.fields["general.name"].contents() if "general.name" in reader.fields else stem
+    writer.add_name(f"{name} (random weights)")
     rng = np.random.default_rng(seed)
     for tensor, shape in json.loads(reader.fields[TENSORS].contents()):
         if len(shape) == 1:
