@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.serve_compare import free_port, stop, wait_healthy  # noqa: E402
+from benchmarks.serve_compare import child_env, free_port, stop, wait_healthy  # noqa: E402
 
 
 def preemptions(url: str) -> int:
@@ -42,7 +41,7 @@ def serve_run(args, kv: str) -> dict:
            "--max-num-seqs", str(args.concurrency),
            "--max-model-len", str(args.input_len + args.output_len + 200),
            "--threads", str(args.threads)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = child_env()
     log = tempfile.NamedTemporaryFile("w+", suffix=f"-{kv}.log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:

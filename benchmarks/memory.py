@@ -27,7 +27,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.common import emit_json, machine, print_table  # noqa: E402
-from benchmarks.serve_compare import free_port, stop, wait_healthy  # noqa: E402
+from benchmarks.serve_compare import child_env, free_port, stop, wait_healthy  # noqa: E402
 
 MiB = 2**20
 ESSAY = (ROOT / "benchmarks" / "data" / "mill_essay.txt").read_text().split("\n\n")
@@ -77,7 +77,7 @@ def conversation(url: str, tokens: int) -> int:
 def server(name: str, cmd: list[str], port: int, tokens: int) -> dict:
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+                            env=child_env())
     try:
         wait_healthy(url, proc)
         time.sleep(1.0)  # let the last start-up work settle

@@ -31,6 +31,13 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.bf16_model import bf16_gguf, bf16_hf_folder  # noqa: E402
 
 
+def child_env() -> dict:
+    """The environment for engines run as child processes: this checkout first on PYTHONPATH,
+    the caller's own entries kept (a machine's packages installed with pip --target)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,7 +98,7 @@ def server_commands(args, gguf: Path, port: int) -> dict[str, list[str]]:
 def bench(args, name: str, cmd: list[str], port: int) -> dict:
     url = f"http://127.0.0.1:{port}"
     # vLLM CPU asks for 92% of RAM for its KV cache unless told (and exits on a small machine)
-    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **os.environ, "PYTHONPATH": str(ROOT)}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", **child_env()}
     log = tempfile.NamedTemporaryFile("w+", suffix=f"-{name}.log", delete=False)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
