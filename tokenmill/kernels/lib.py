@@ -18,7 +18,7 @@ MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 9
+ABI_VERSION = 10
 _P, _I = c_void_p, c_int64
 
 
@@ -70,6 +70,7 @@ _SIGNATURES = {
     "tm_qdequantize": (None, [c_int, _P, _I, _I, _P, _I, _P]),
     "tm_rms_norm": (None, [c_int, _P, _P, _P, _P, _I, _I, c_float]),
     "tm_rope": (None, [c_int, _P, _I, _I, _I, _P, _I, _P]),
+    "tm_rope_store": (None, [c_int, _P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P]),
     "tm_silu_mul": (None, [c_int, _P, _P, _I, _I]),
     "tm_gelu_tanh_mul": (None, [c_int, _P, _P, _I, _I]),
     "tm_argmax_rows": (None, [_P, _I, _I, _P]),
@@ -207,6 +208,31 @@ class KernelLib(KVPageCalls):
         self._sync_threads()
         self._lib.tm_rope(DTYPES[x.dtype], x.data_ptr(), *x.shape, cos_sin.data_ptr(),
                           cos_sin.shape[1], pos.data_ptr())
+
+    def rope_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos_sin: torch.Tensor,
+                   positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """qkv (tokens, >= (heads + 2 kv_heads) head_dim; rows may be strided): q, k, v heads
+        side by side -> rotated q (tokens, heads, head_dim) and k (tokens, kv_heads,
+        head_dim), as rope() gives; rotated k and v also written to k_cache / v_cache
+        (cache slots, kv_heads, head_dim) at slots."""
+        D = cos_sin.shape[2]
+        tokens = qkv.shape[0]
+        _check(qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] >= (heads + 2 * kv_heads) * D
+               and k_cache.shape[1:] == v_cache.shape[1:] == (kv_heads, D)
+               and k_cache.is_contiguous() and v_cache.is_contiguous()
+               and qkv.dtype == k_cache.dtype == v_cache.dtype and cos_sin.is_contiguous()
+               and cos_sin.dtype == torch.float32 and positions.numel() == slots.numel() == tokens,
+               "rope_store: bad shapes")
+        pos, slots = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
+        q = torch.empty(tokens, heads, D, dtype=qkv.dtype, device=qkv.device)
+        k = torch.empty(tokens, kv_heads, D, dtype=qkv.dtype, device=qkv.device)
+        self._sync_threads()
+        self._lib.tm_rope_store(DTYPES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), tokens, heads,
+                                kv_heads, D, cos_sin.data_ptr(), cos_sin.shape[1], pos.data_ptr(),
+                                q.data_ptr(), k.data_ptr(), k_cache.data_ptr(),
+                                v_cache.data_ptr(), slots.data_ptr())
+        return q, k
 
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._gated(self._lib.tm_silu_mul, x)

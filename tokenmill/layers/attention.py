@@ -17,6 +17,7 @@ from torch import nn
 
 from tokenmill.layers import ops
 from tokenmill.layers.kv_cache import KVCache
+from tokenmill.layers.rotary import RotaryEmbedding
 
 
 @dataclass
@@ -98,13 +99,24 @@ class PagedAttention(nn.Module):
         self.ops = ops.current()
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: AttentionContext,
+        rotary: RotaryEmbedding | None = None, positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        # q: (tokens, heads, head_dim); k, v: (tokens, kv_heads, head_dim)
+        """q: (tokens, heads, head_dim); k, v: (tokens, kv_heads, head_dim). With `rotary`, q
+        and k are rotated here (at `positions`), where the ops can fuse that with the cache
+        write."""
         if self.cache_group:
             ctx = ctx.window_ctx
-        self.ops.kv_store(ctx.kv_cache, self.layer_idx, k, v, ctx.slot_mapping,
-                          ctx.stage_mapping)
+        fused = rotary is not None and self.ops.rope_store(q, k, v, rotary, positions,
+                                                           ctx.kv_cache, self.layer_idx,
+                                                           ctx.slot_mapping, ctx.stage_mapping)
+        if fused:
+            q, k = fused
+        else:
+            if rotary is not None:
+                q, k = rotary(positions, q, k)
+            self.ops.kv_store(ctx.kv_cache, self.layer_idx, k, v, ctx.slot_mapping,
+                              ctx.stage_mapping)
         out = torch.empty_like(q)
         nd = ctx.num_decode_tokens
         if nd:

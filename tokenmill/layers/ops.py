@@ -126,6 +126,13 @@ class TorchOps:
         (stage_rows: a staged cache's K rows, layers/kv_cache.py)."""
         cache.store(layer, k, v, slots, stage_rows)
 
+    def rope_store(self, q, k, v, rotary, positions, cache, layer: int, slots,
+                   stage_rows=None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """rotary(positions, q, k) and kv_store of the rotated k and v in one pass, returning
+        the rotated (q, k); None where this implementation does not fuse them (the caller
+        then runs the two)."""
+        return None
+
     def decode_attention_quant(self, q, cache, layer: int, block_tables, seq_lens, stages,
                                window, scale):
         """Paged attention on one layer of a quantized cache, float32 q (stages: a staged
@@ -241,6 +248,22 @@ class KernelOps(TorchOps):
         if not supports(cache):
             return super().kv_store(cache, layer, k, v, slots, stage_rows)
         self.lib.kv_store(cache, layer, k, v, slots, stage_rows)
+
+    def rope_store(self, q, k, v, rotary, positions, cache, layer, slots, stage_rows=None):
+        # q, k, v: views of one projection's rows (q | k | v side by side), whole-head RoPE,
+        # into an unquantized cache of their dtype
+        D, hq, hk = q.shape[-1], q.shape[1], k.shape[1]
+        rows = (q.stride(0), D, 1)
+        step = D * q.element_size()
+        if (rotary.rotary_dim != D or not cache.lossless(q.dtype) or not self.fits(q)
+                or not q.stride() == k.stride() == v.stride() == rows
+                or k.data_ptr() != q.data_ptr() + hq * step
+                or v.data_ptr() != k.data_ptr() + hk * step):
+            return None
+        qkv = q.as_strided((q.shape[0], (hq + 2 * hk) * D), (q.stride(0), 1))
+        flat = lambda part: part[layer].view(-1, hk, D)  # noqa: E731
+        return self.lib.rope_store(qkv, hq, hk, rotary.cos_sin, positions, flat(cache.k[0]),
+                                   flat(cache.v[0]), slots)
 
     def decode_attention_quant(self, q, cache, layer, block_tables, seq_lens, stages, window,
                                scale):

@@ -59,8 +59,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        out = self.attn(q, k, v, ctx)  # (tokens, heads, head_dim)
+        out = self.attn(q, k, v, ctx, rotary, positions)  # (tokens, heads, head_dim)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 

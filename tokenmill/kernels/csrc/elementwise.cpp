@@ -42,35 +42,73 @@ void rms_norm_rows(T* x, const T* w, const T* add, T* out, int64_t rows, int64_t
   });
 }
 
+// cos and sin of one position, rounded to T as the reference's table.to(dtype)
+template <typename T>
+inline void rope_table(const float* cos_sin, int64_t table_len, int64_t pos, int64_t D, float* c,
+                       float* s) {
+  const float* cr = cos_sin + pos * D;
+  const float* sr = cos_sin + (table_len + pos) * D;
+  for (int64_t i = 0; i < D; ++i) { c[i] = rnd<T>(cr[i]); s[i] = rnd<T>(sr[i]); }
+}
+
+// One head: dst = src * cos + rotate_half(src) * sin, rounded like the reference at each step
+// (dst may be src)
+template <typename T>
+inline void rotate_head(const T* src, T* dst, const float* c, const float* s, int64_t D) {
+  const int64_t half = D / 2;
+  int64_t i = 0;
+  for (; i + kLanes <= half; i += kLanes) {
+    vec a = vload(src + i), b = vload(src + i + half);
+    vec lo = vrnd<T>(vsub(vrnd<T>(vmul(a, vload(c + i))), vrnd<T>(vmul(b, vload(s + i)))));
+    vec hi = vrnd<T>(vadd(vrnd<T>(vmul(b, vload(c + i + half))),
+                          vrnd<T>(vmul(a, vload(s + i + half)))));
+    vstore(dst + i, lo);
+    vstore(dst + i + half, hi);
+  }
+  for (; i < half; ++i) {
+    float a = to_f(src[i]), b = to_f(src[i + half]);
+    float lo = rnd<T>(rnd<T>(a * c[i]) + rnd<T>(-b * s[i]));
+    float hi = rnd<T>(rnd<T>(b * c[i + half]) + rnd<T>(a * s[i + half]));
+    dst[i] = from_f<T>(lo);
+    dst[i + half] = from_f<T>(hi);
+  }
+}
+
 template <typename T>
 void rope_rows(T* x, const float* cos_sin, const int64_t* pos, int64_t tokens, int64_t heads,
                int64_t D, int64_t table_len) {
-  int64_t half = D / 2;
   parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
     std::vector<float> c(D), s(D);
     for (int64_t t = t0; t < t1; ++t) {
-      const float* cr = cos_sin + pos[t] * D;
-      const float* sr = cos_sin + (table_len + pos[t]) * D;
-      for (int64_t i = 0; i < D; ++i) { c[i] = rnd<T>(cr[i]); s[i] = rnd<T>(sr[i]); }
+      rope_table<T>(cos_sin, table_len, pos[t], D, c.data(), s.data());
       for (int64_t h = 0; h < heads; ++h) {
         T* v = x + (t * heads + h) * D;
-        int64_t i = 0;
-        for (; i + kLanes <= half; i += kLanes) {  // q * cos + rotate_half(q) * sin, rounded
-          vec a = vload(v + i), b = vload(v + i + half);  // like the reference at each step
-          vec lo = vrnd<T>(vsub(vrnd<T>(vmul(a, vload(&c[i]))), vrnd<T>(vmul(b, vload(&s[i])))));
-          vec hi = vrnd<T>(vadd(vrnd<T>(vmul(b, vload(&c[i + half]))),
-                                vrnd<T>(vmul(a, vload(&s[i + half])))));
-          vstore(v + i, lo);
-          vstore(v + i + half, hi);
-        }
-        for (; i < half; ++i) {
-          float a = to_f(v[i]), b = to_f(v[i + half]);
-          float lo = rnd<T>(rnd<T>(a * c[i]) + rnd<T>(-b * s[i]));
-          float hi = rnd<T>(rnd<T>(b * c[i + half]) + rnd<T>(a * s[i + half]));
-          v[i] = from_f<T>(lo);
-          v[i + half] = from_f<T>(hi);
-        }
+        rotate_head(v, v, c.data(), s.data(), D);
       }
+    }
+  });
+}
+
+// A QKV projection's rows (ld apart: heads q, then kv_heads k, then kv_heads v of D each) ->
+// rotated q and k (contiguous), and k and v into their cache slots: the two copies, two
+// rotations and two cache writes of a prefill layer in one pass
+template <typename T>
+void rope_store_rows(const T* qkv, int64_t ld, int64_t tokens, int64_t heads, int64_t kv_heads,
+                     int64_t D, const float* cos_sin, int64_t table_len, const int64_t* pos,
+                     T* q, T* k, T* k_cache, T* v_cache, const int64_t* slots) {
+  const int64_t kv = kv_heads * D;
+  parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    std::vector<float> c(D), s(D);
+    for (int64_t t = t0; t < t1; ++t) {
+      rope_table<T>(cos_sin, table_len, pos[t], D, c.data(), s.data());
+      const T* row = qkv + t * ld;
+      for (int64_t h = 0; h < heads; ++h)
+        rotate_head(row + h * D, q + (t * heads + h) * D, c.data(), s.data(), D);
+      T* kt = k + t * kv;
+      for (int64_t h = 0; h < kv_heads; ++h)
+        rotate_head(row + (heads + h) * D, kt + h * D, c.data(), s.data(), D);
+      std::memcpy(k_cache + slots[t] * kv, kt, kv * sizeof(T));
+      std::memcpy(v_cache + slots[t] * kv, row + heads * D + kv, kv * sizeof(T));
     }
   });
 }
@@ -176,6 +214,20 @@ void tm_rope(int dtype, void* x, int64_t tokens, int64_t heads, int64_t head_dim
     return rope_rows(static_cast<bf16*>(x), cos_sin, positions, tokens, heads, head_dim,
                      max_positions);
   rope_rows(static_cast<float*>(x), cos_sin, positions, tokens, heads, head_dim, max_positions);
+}
+
+void tm_rope_store(int dtype, const void* qkv, int64_t ld, int64_t tokens, int64_t heads,
+                   int64_t kv_heads, int64_t head_dim, const float* cos_sin, int64_t max_positions,
+                   const int64_t* positions, void* q, void* k, void* k_cache, void* v_cache,
+                   const int64_t* slots) {
+  if (dtype == TM_BF16)
+    return rope_store_rows(static_cast<const bf16*>(qkv), ld, tokens, heads, kv_heads, head_dim,
+                           cos_sin, max_positions, positions, static_cast<bf16*>(q),
+                           static_cast<bf16*>(k), static_cast<bf16*>(k_cache),
+                           static_cast<bf16*>(v_cache), slots);
+  rope_store_rows(static_cast<const float*>(qkv), ld, tokens, heads, kv_heads, head_dim, cos_sin,
+                  max_positions, positions, static_cast<float*>(q), static_cast<float*>(k),
+                  static_cast<float*>(k_cache), static_cast<float*>(v_cache), slots);
 }
 
 void tm_silu_mul(int dtype, const void* x, void* out, int64_t rows, int64_t inter) {

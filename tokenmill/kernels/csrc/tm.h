@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 9
+#define TM_ABI_VERSION 10
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -120,6 +120,13 @@ TM_API void tm_rms_norm(int dtype, void* x, const void* w, const void* add, void
 /* in place on x (tokens, heads, head_dim), rotate-half layout */
 TM_API void tm_rope(int dtype, void* x, int64_t tokens, int64_t heads, int64_t head_dim,
                     const float* cos_sin, int64_t max_positions, const int64_t* positions);
+/* qkv (tokens, ld): per row heads q, kv_heads k, kv_heads v of head_dim each -> q (tokens,
+   heads, head_dim) and k (tokens, kv_heads, head_dim) rotated as tm_rope, and k, v into
+   k_cache / v_cache rows slots[t] (each kv_heads * head_dim wide) */
+TM_API void tm_rope_store(int dtype, const void* qkv, int64_t ld, int64_t tokens, int64_t heads,
+                          int64_t kv_heads, int64_t head_dim, const float* cos_sin,
+                          int64_t max_positions, const int64_t* positions, void* q, void* k,
+                          void* k_cache, void* v_cache, const int64_t* slots);
 /* x (rows, 2 * inter) = [gate | up] -> out (rows, inter) = silu(gate) * up */
 TM_API void tm_silu_mul(int dtype, const void* x, void* out, int64_t rows, int64_t inter);
 /* the same with GELU's tanh approximation (GeGLU) */
