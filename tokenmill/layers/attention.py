@@ -117,8 +117,10 @@ class PagedAttention(nn.Module):
                 q, k = rotary(positions, q, k)
             self.ops.kv_store(ctx.kv_cache, self.layer_idx, k, v, ctx.slot_mapping,
                               ctx.stage_mapping)
+        nd, chunks = ctx.num_decode_tokens, ctx.prefills
+        if not nd and len(chunks) == 1 and chunks[0].end - chunks[0].start == q.shape[0]:
+            return self._prefill(q, k, v, chunks[0], ctx)  # one prompt chunk: no copy
         out = torch.empty_like(q)
-        nd = ctx.num_decode_tokens
         if nd:
             out[:nd] = self._decode(q[:nd], ctx)
         for chunk in ctx.prefills:
