@@ -63,11 +63,11 @@ def prefill_ms(kv: str, threads: int, plain: bool, prefix: int = 4096, new: int 
     """Median time to the first token of `new` prompt tokens after a `prefix`-token prefix
     cache hit (three different continuations); plain: without the quantized-page kernel."""
     from tokenmill import LLM, SamplingParams
-    from tokenmill.layers import ops
+    from tokenmill.layers.kernel_ops import KernelOps
 
-    real = ops.KernelOps.prefill_attention_quant
+    real = KernelOps.prefill_attention_quant
     if plain:
-        ops.KernelOps.prefill_attention_quant = lambda *a, **k: None
+        KernelOps.prefill_attention_quant = lambda *a, **k: None
     try:
         llm = LLM("smollm2-135m-instruct", kv_cache_dtype=kv, max_num_seqs=1,
                   max_model_len=prefix + new + 16, num_threads=threads,
@@ -84,7 +84,7 @@ def prefill_ms(kv: str, threads: int, plain: bool, prefix: int = 4096, new: int 
             times.append(out.metrics.first_token_time - out.metrics.first_scheduled_time)
         return 1e3 * statistics.median(times)
     finally:
-        ops.KernelOps.prefill_attention_quant = real
+        KernelOps.prefill_attention_quant = real
 
 
 def main() -> None:

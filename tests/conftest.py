@@ -259,11 +259,11 @@ def make_server(make_engine):
 def kops(request):
     """The kernel op implementation of each instruction set this CPU runs."""
     from tokenmill.kernels import load_cpu_kernels
-    from tokenmill.layers import ops
+    from tokenmill.layers.kernel_ops import KernelOps
 
     lib = load_cpu_kernels(request.param)
     assert lib is not None and lib.isa == request.param
-    return ops.KernelOps(lib)
+    return KernelOps(lib)
 
 
 @pytest.fixture

@@ -185,9 +185,10 @@ def test_latent_decode_kernel_matches_plain_attention(dtype, rows):
     """The C++ decode attention on MLA's latent pages (each row both key and value, one head
     shared by 16 query heads, 576 values: DeepSeek V3's width) against plain PyTorch."""
     from tokenmill.layers import ops
+    from tokenmill.layers.kernel_ops import KernelOps
 
     backend = ops.current()
-    if not isinstance(backend, ops.KernelOps):
+    if not isinstance(backend, KernelOps):
         pytest.skip("the C++ kernels did not load")
     g = torch.Generator().manual_seed(0)
     pages = torch.randn(12, 8, 1, 576, generator=g).to(dtype)

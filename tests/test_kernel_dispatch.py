@@ -16,6 +16,7 @@ from tokenmill import kernels
 from tokenmill.kernels import build, gemm_plan, isa
 from tokenmill.kernels.gemm_plan import NEVER, GemmTimes, PreparedLinear, fused_max_rows
 from tokenmill.layers import ops
+from tokenmill.layers.kernel_ops import KernelOps
 
 needs_compiler = pytest.mark.skipif(
     build.compiler() is None or os.environ.get("TOKENMILL_KERNELS") == "0",
@@ -62,7 +63,7 @@ def test_kernels_off(monkeypatch):
     monkeypatch.setenv("TOKENMILL_KERNELS", "0")
     assert kernels.load_cpu_kernels() is None
     assert isinstance(ops.select(True, torch.device("cpu")), ops.TorchOps)
-    assert not isinstance(ops.select(True, torch.device("cpu")), ops.KernelOps)
+    assert not isinstance(ops.select(True, torch.device("cpu")), KernelOps)
 
 
 @needs_compiler
@@ -157,7 +158,7 @@ def test_linear_dispatch_follows_the_plan(monkeypatch):
     from tokenmill.layers.linear import Linear
 
     lib = kernels.load_cpu_kernels()
-    backend = ops.KernelOps(lib)
+    backend = KernelOps(lib)
     monkeypatch.setattr(backend.planner, "prepare",
                         lambda w, b: PreparedLinear(lib.pack(w, b), 8, None))
     with ops.building(backend):

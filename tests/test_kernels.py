@@ -15,6 +15,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.kernels import build, load_cpu_kernels
 from tokenmill.kernels.isa import supported_isas
 from tokenmill.layers import ops
+from tokenmill.layers.kernel_ops import KernelOps
 
 # Where a compiler exists the kernels must build: a build error would otherwise silently fall
 # back to the reference paths and skip these tests.
@@ -253,7 +254,7 @@ def test_prefill_attention_plan(monkeypatch):
     """SDPA from the planned key length on; the kernel below it; float32 stays on SDPA."""
     from tokenmill.kernels import attention_plan
 
-    backend = ops.KernelOps(load_cpu_kernels())
+    backend = KernelOps(load_cpu_kernels())
     real = attention_plan.sdpa_from_len
     monkeypatch.setattr(attention_plan, "sdpa_from_len", lambda *a: 64)
     cache = torch.zeros(8, 16, 2, 32, dtype=torch.bfloat16)

@@ -99,7 +99,9 @@ class ModelRunner:
     @property
     def kernels(self) -> bool:
         """Whether the C++ kernels run this model (else the PyTorch reference ops)."""
-        return isinstance(self.ops, ops.KernelOps)
+        from tokenmill.layers.kernel_ops import KernelOps
+
+        return isinstance(self.ops, KernelOps)
 
     def _tensor(self, values, dtype=torch.long) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=self.device)

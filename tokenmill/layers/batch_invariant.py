@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.ops import KernelOps
+from tokenmill.layers.kernel_ops import KernelOps
 
 
 class BatchInvariantOps(KernelOps):

@@ -1,8 +1,9 @@
 """Hot-path operators behind one interface, with two implementations:
 
 - TorchOps: plain PyTorch, the reference (the definition of each op), on any device and dtype;
-- KernelOps: tokenmill's C++ CPU kernels (kernels/), the same results with one call instead of
-  many small ops, for float32/bfloat16 tensors on the CPU; anything else goes to TorchOps.
+- KernelOps (layers/kernel_ops.py): tokenmill's C++ CPU kernels (kernels/), the same results
+  with one call instead of many small ops, for float32/bfloat16 tensors on the CPU; anything
+  else goes to TorchOps.
 
 Implementations are chosen when modules are built, not per call (vLLM's CustomOp): a module
 keeps `ops.current()` from its constructor, and the engine builds its model inside
@@ -161,165 +162,6 @@ class TorchOps:
         return None
 
 
-class KernelOps(TorchOps):
-    """The C++ kernels of one instruction set (a kernels.lib.KernelLib)."""
-
-    def __init__(self, lib, planner=None) -> None:
-        from tokenmill.kernels.gemm_plan import GemmPlanner
-
-        self.lib = lib
-        self.name = f"kernels ({lib.isa})"
-        self.planner = planner or GemmPlanner.for_lib(lib)
-        self._sdpa_from: dict = {}  # (heads, kv heads, head_dim, dtype) -> key length
-
-    def fits(self, x: torch.Tensor) -> bool:
-        return x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
-
-    def rms_norm(self, x, weight, eps):
-        if self.fits(x) and weight.dtype == x.dtype:
-            return self.lib.rms_norm(x.contiguous(), weight, eps)
-        return super().rms_norm(x, weight, eps)
-
-    def add_rms_norm(self, x, residual, weight, eps):
-        if self.fits(x) and weight.dtype == x.dtype == residual.dtype and residual.is_contiguous():
-            return self.lib.rms_norm(residual, weight, eps, add=x), residual
-        return super().add_rms_norm(x, residual, weight, eps)
-
-    def rope(self, q, k, cos_sin, positions):
-        if self.fits(q) and q.dtype == k.dtype:
-            q, k = q.contiguous(), k.contiguous()
-            self.lib.rope(q, cos_sin, positions)
-            self.lib.rope(k, cos_sin, positions)
-            return q, k
-        return super().rope(q, k, cos_sin, positions)
-
-    def silu_mul(self, x):
-        return self.lib.silu_mul(x) if self.fits(x) else super().silu_mul(x)
-
-    def prepare_linear(self, weight, bias):
-        from tokenmill.kernels.gemm_plan import NEVER, PreparedLinear
-        from tokenmill.kernels.lib import PackedLinear
-
-        q = getattr(weight, "quant", None)
-        if q is not None:  # the codes as packed at load, with this bias
-            b = None if bias is None else bias.detach().float().contiguous()
-            return PreparedLinear(PackedLinear(q.packed, b, q.n, q.k, q.bits), NEVER, None)
-        if weight.device.type != "cpu" or weight.dtype not in KERNEL_DTYPES or weight.dim() != 2:
-            return None
-        return self.planner.prepare(weight, bias)
-
-    @property
-    def quantized_kernels(self) -> bool:
-        return self.lib.quant_fast
-
-    def pack_quantized(self, bq):
-        return self.lib.qpack(bq.codes, bq.d, bq.m, bq.bits)
-
-    def dequantize(self, q, rows=None):
-        return self.lib.qdequantize(q, rows)
-
-    def linear(self, x, layer, out_fp32=False):
-        """The packed-weight GEMM, or PyTorch's (oneDNN / MKL) from the row count where the
-        GEMM planner measured it faster; logits (out_fp32) always come from the packed GEMM's
-        float32 accumulators. Quantized weights: the kernels' integer GEMM."""
-        prepared = layer.prepared() if self.fits(x) and x.dim() == 2 else None
-        quantized = prepared is not None and prepared.packed.bits
-        if prepared is None or (x.dtype != layer.weight.dtype and not quantized) or (
-                not out_fp32 and x.shape[0] >= prepared.torch_from_rows):
-            return super().linear(x, layer, out_fp32)
-        return self.lib.linear(x, prepared.packed, out_fp32)
-
-    def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, window, scale):
-        d = q.shape[-1]
-        if self.fits(q) and k_cache.dtype == q.dtype and d % 8 == 0 and d <= 256:
-            return self.lib.decode_attention(q, k_cache, v_cache, block_tables, seq_lens,
-                                             window, scale)
-        return None
-
-    def latent_decode_attention(self, q, pages, block_tables, seq_lens, scale):
-        if self.fits(q) and pages.dtype == q.dtype and q.shape[-1] % 8 == 0:
-            return self.lib.decode_attention(q, pages, pages, block_tables, seq_lens, None,
-                                             scale)
-        return None
-
-    def kv_store(self, cache, layer, k, v, slots, stage_rows=None):
-        from tokenmill.kernels.kv_pages import supports
-
-        if not supports(cache):
-            return super().kv_store(cache, layer, k, v, slots, stage_rows)
-        self.lib.kv_store(cache, layer, k, v, slots, stage_rows)
-
-    def rope_store(self, q, k, v, rotary, positions, cache, layer, slots, stage_rows=None):
-        # q, k, v: views of one projection's rows (q | k | v side by side), whole-head RoPE,
-        # into an unquantized cache of their dtype
-        D, hq, hk = q.shape[-1], q.shape[1], k.shape[1]
-        rows = (q.stride(0), D, 1)
-        step = D * q.element_size()
-        if (rotary.rotary_dim != D or not cache.lossless(q.dtype) or not self.fits(q)
-                or not q.stride() == k.stride() == v.stride() == rows
-                or k.data_ptr() != q.data_ptr() + hq * step
-                or v.data_ptr() != k.data_ptr() + hk * step):
-            return None
-        qkv = q.as_strided((q.shape[0], (hq + 2 * hk) * D), (q.stride(0), 1))
-        flat = lambda part: part[layer].view(-1, hk, D)  # noqa: E731
-        return self.lib.rope_store(qkv, hq, hk, rotary.cos_sin, positions, flat(cache.k[0]),
-                                   flat(cache.v[0]), slots)
-
-    def decode_attention_quant(self, q, cache, layer, block_tables, seq_lens, stages, window,
-                               scale):
-        from tokenmill.kernels.kv_pages import supports
-
-        if not supports(cache):
-            return None
-        return self.lib.decode_attention_quant(q, cache, layer, block_tables, seq_lens, stages,
-                                               window, scale)
-
-    def prefill_attention_quant(self, q, cache, layer, block_table, stage_table, num_computed,
-                                window, scale):
-        from tokenmill.kernels.kv_pages import supports
-
-        if not supports(cache):
-            return None
-        return self.lib.prefill_attention_quant(q, cache, layer, block_table, stage_table,
-                                                num_computed, window, scale)
-
-    def prefill_attention(self, q, k_cache, v_cache, block_table, num_computed, window, scale):
-        """bf16 only: float32 is the mode checked against transformers (logits within 1e-4),
-        where PyTorch's SDPA measured closer to it than the kernel's summation order."""
-        n, heads, d = q.shape
-        if not (self.fits(q) and q.dtype == torch.bfloat16 == k_cache.dtype and d % 8 == 0
-                and d <= 256):
-            return None
-        if num_computed + n >= self.prepare_attention(heads, k_cache.shape[2], d, q.dtype):
-            return None
-        return self.lib.prefill_attention(q, k_cache, v_cache, block_table, num_computed, window,
-                                          scale)
-
-    def prepare_attention(self, heads, kv_heads, head_dim, dtype) -> int:
-        """The key length from which SDPA runs a prefill chunk (kernels/attention_plan.py)."""
-        from tokenmill.kernels.attention_plan import sdpa_from_len
-
-        key = (heads, kv_heads, head_dim, dtype)
-        if key not in self._sdpa_from:
-            self._sdpa_from[key] = sdpa_from_len(self.planner, *key)
-        return self._sdpa_from[key]
-
-    def argmax(self, x):
-        if self.fits(x) and x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0:
-            return self.lib.argmax_rows(x)
-        return super().argmax(x)
-
-    def fused_decoder(self, weights):
-        from tokenmill.layers.fused_decode import FusedDecoder
-
-        if weights is None or not self.fits(weights.final_norm) or any(
-                lin.prepared() is None or lin.input_perm is not None for layer in weights.layers
-                for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)):
-            return None  # e.g. a float16 model, or act-order GPTQ: layers run op by op
-        return FusedDecoder(self.lib, weights)
-
-
-# ---- choosing -----------------------------------------------------------------------------
 _REFERENCE = TorchOps()
 _building: TorchOps = _REFERENCE
 
@@ -359,6 +201,8 @@ def select(use_kernels: bool, device: torch.device, deterministic: bool = False)
                 from tokenmill.layers.batch_invariant import BatchInvariantOps
 
                 return BatchInvariantOps(lib)
+            from tokenmill.layers.kernel_ops import KernelOps
+
             return KernelOps(lib)
     if deterministic:
         raise ValueError("deterministic (batch-invariant) mode needs tokenmill's C++ kernels "

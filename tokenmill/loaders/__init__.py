@@ -29,8 +29,9 @@ def resolve_dtype(
     dtype = _DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
     if dtype != torch.float32 and device.type == "cpu":
         from tokenmill.layers import ops
+        from tokenmill.layers.kernel_ops import KernelOps
 
-        return torch.bfloat16 if isinstance(ops.current(), ops.KernelOps) else torch.float32
+        return torch.bfloat16 if isinstance(ops.current(), KernelOps) else torch.float32
     return dtype
 
 
