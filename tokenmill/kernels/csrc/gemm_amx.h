@@ -8,44 +8,18 @@
 // the VDPBF16PS kernel; only the order of the sums differs.
 #pragma once
 
-#include <immintrin.h>
-
 #include <cstring>
+
+#include "amx_tiles.h"
 
 namespace tm {
 
 constexpr int64_t kAmxPairs = 16;   // k pairs per tile step (32 k)
-constexpr int64_t kAmxMinRows = 4;
+constexpr int64_t kAmxMinRows = 4;  // fewer rows run on VDPBF16PS (a tile would be mostly padding)
 #ifndef TM_AMX_AHEAD
 #define TM_AMX_AHEAD 8192
 #endif
-constexpr int64_t kAmxAhead = TM_AMX_AHEAD;  // bytes of panel prefetched ahead of the tiles' loads  // fewer rows run on VDPBF16PS (a tile would be mostly padding)
-
-// The thread's tile configuration for one GEMM call: 8 tiles of 16 rows x 64 bytes, released
-// at the end (other code on this thread, oneDNN's, loads its own).
-class AmxTiles {
- public:
-  explicit AmxTiles(bool on) : on_(on) {
-    if (!on_) return;
-    struct alignas(64) {
-      uint8_t palette, start_row, reserved[14];
-      uint16_t colsb[16];
-      uint8_t rows[16];
-    } cfg{};
-    cfg.palette = 1;
-    for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-  }
-  ~AmxTiles() {
-    if (on_) _tile_release();
-  }
-
- private:
-  bool on_;
-};
+constexpr int64_t kAmxAhead = TM_AMX_AHEAD;  // bytes of panel prefetched ahead of the tiles' loads
 
 inline bool amx_runs(int64_t M, int64_t K, bool row_invariant) {
   return !row_invariant && M >= kAmxMinRows && K >= 2 * kAmxPairs;
@@ -61,16 +35,6 @@ inline const bf16* tile_rows(const bf16* src, int64_t ld, int64_t n, int64_t wid
   std::memset(static_cast<void*>(pad + n * width), 0, (16 - n) * width * sizeof(bf16));
   tile_ld = width;
   return pad;
-}
-
-// Accumulator tile t (0-3) to memory (the intrinsic takes the tile number as a literal).
-inline void tile_store(int t, void* p, int64_t stride) {
-  switch (t) {
-    case 0: _tile_stored(0, p, stride); break;
-    case 1: _tile_stored(1, p, stride); break;
-    case 2: _tile_stored(2, p, stride); break;
-    default: _tile_stored(3, p, stride); break;
-  }
 }
 
 // The 16 x 32 float32 results of tiles t and t + 1 (columns 0-15, 16-31), rows [row0, row0 + n)

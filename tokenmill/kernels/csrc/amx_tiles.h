@@ -1,0 +1,68 @@
+// AMX only: a thread's tile configuration and the tile operations the GEMM (gemm_amx.h) and the
+// prefill attention (attention_amx.h) share. Every kernel uses 8 tiles of 16 rows x 64 bytes:
+// 0-3 accumulate float32, 4-7 hold bf16 operands.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace tm {
+
+// The thread's tile configuration for one kernel call: 8 tiles of 16 rows x 64 bytes, released
+// at the end (other code on this thread, oneDNN's, loads its own).
+class AmxTiles {
+ public:
+  explicit AmxTiles(bool on) : on_(on) {
+    if (!on_) return;
+    struct alignas(64) {
+      uint8_t palette, start_row, reserved[14];
+      uint16_t colsb[16];
+      uint8_t rows[16];
+    } cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+      cfg.colsb[t] = 64;
+      cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+  }
+  ~AmxTiles() {
+    if (on_) _tile_release();
+  }
+
+ private:
+  bool on_;
+};
+
+// Accumulator tile t (0-3) to memory (the intrinsic takes the tile number as a literal).
+inline void tile_store(int t, void* p, int64_t stride) {
+  switch (t) {
+    case 0: _tile_stored(0, p, stride); break;
+    case 1: _tile_stored(1, p, stride); break;
+    case 2: _tile_stored(2, p, stride); break;
+    default: _tile_stored(3, p, stride); break;
+  }
+}
+
+// Accumulator tile t (0-3) from memory.
+inline void tile_load(int t, const void* p, int64_t stride) {
+  switch (t) {
+    case 0: _tile_loadd(0, p, stride); break;
+    case 1: _tile_loadd(1, p, stride); break;
+    case 2: _tile_loadd(2, p, stride); break;
+    default: _tile_loadd(3, p, stride); break;
+  }
+}
+
+// Accumulator tile t (0-3) += tile 4 . tile 6 (bf16 pairs, float32 sums).
+inline void tile_dot_4_6(int t) {
+  switch (t) {
+    case 0: _tile_dpbf16ps(0, 4, 6); break;
+    case 1: _tile_dpbf16ps(1, 4, 6); break;
+    case 2: _tile_dpbf16ps(2, 4, 6); break;
+    default: _tile_dpbf16ps(3, 4, 6); break;
+  }
+}
+
+}  // namespace tm
