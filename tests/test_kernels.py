@@ -203,12 +203,13 @@ def test_decode_attention_runs(kops, dtype, window, threads, head_dim, runs):
 @pytest.mark.parametrize("computed,new,window", [(0, 37, None), (20, 50, None), (0, 100, 24),
                                                  (33, 17, 8), (0, 1, None), (5, 60, None)])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
-def test_prefill_attention(kops, dtype, computed, new, window, threads):
+@pytest.mark.parametrize("d", [40, 64])  # 64: whole AMX tile steps (attention_amx.h)
+def test_prefill_attention(kops, dtype, computed, new, window, threads, d):
     from tests.conftest import paged_history
     from tokenmill.layers.attention import PagedAttention, chunk_mask
 
     torch.manual_seed(4)
-    hq, hk, d, length = 6, 2, 40, computed + new
+    hq, hk, length = 6, 2, computed + new
     cache, table, _, _, _ = paged_history(length, 16, hk, d, dtype)
     q = torch.randn(new, hq, d).to(dtype)
     attn = PagedAttention(hq, hk, d, 0, sliding_window=window)

@@ -21,6 +21,12 @@ struct PrefillScratch {
   std::vector<uint32_t> qp, kp, vp, pp;  // bf16 pairs (the dot-product path)
 };
 
+#if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
+#define TM_AMX_ATTENTION
+template <typename Task>
+void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc);
+#endif
+
 template <typename T>
 struct PrefillTask {
   const T* q;  // (tokens, Hq, D)
@@ -87,22 +93,26 @@ struct PrefillTask {
 
   // vp[d] = (a[d], b[d]): the value rows of two keys (b null: a zero key) as bf16 pairs
   void value_pair(const T* a, const T* b, uint32_t* vp) const {
-    if constexpr (kDot) {
-#ifdef TM_ISA_AVX512_BF16
+    if constexpr (std::is_same_v<T, bf16>) {
       int64_t d = 0;
+#ifdef TM_ISA_AVX512_BF16
       for (; d + kLanes <= D; d += kLanes) {
         __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
         __m512i hi = b ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)))
                        : _mm512_setzero_si512();
         _mm512_storeu_si512(vp + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
       }
-      for (; d < D; ++d) vp[d] = a[d].bits | (b ? uint32_t{b[d].bits} << 16 : 0u);
 #endif
+      for (; d < D; ++d) vp[d] = a[d].bits | (b ? uint32_t{b[d].bits} << 16 : 0u);
     }
   }
 
   // query tile [i0, i0 + rows) x the `group` query heads of KV head h
   void run(int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc) const {
+#ifdef TM_AMX_ATTENTION
+    if constexpr (std::is_same_v<T, bf16>)
+      if (!kq && D % 32 == 0) return amx_prefill_tile(*this, h, i0, rows, sc);
+#endif
     const int64_t group = Hq / Hk, R = rows * group, Dp = this->Dp();
     sc.kt.resize(D * kKeys), sc.kp.resize(D / 2 * kKeys), sc.v.resize(kKeys * Dp);
     sc.vp.resize(kKeys / 2 * Dp), sc.pp.resize(kRows * kKeys / 2);
@@ -131,7 +141,7 @@ struct PrefillTask {
           }
         });
         for (int64_t i = 0; i < rb; ++i)
-          corr[i] = softmax_step(r0 + i, computed + i0 + (r0 + i) / group, p, n, sc);
+          corr[i] = softmax_step(s + i * kKeys, r0 + i, computed + i0 + (r0 + i) / group, p, n, sc);
         for (int64_t i = 0; i < rb; i += kValueRows)
           for_rows<kValueRows>(std::min<int64_t>(kValueRows, rb - i), [&](auto c) {
             float* o = sc.o.data() + (r0 + i) * Dp;
@@ -161,18 +171,24 @@ struct PrefillTask {
         attend_rows(p, n, split, R);
       }
     }
+    write_rows(h, i0, R, Dp, sc);
+  }
+
+  // rows [0, R) of the tile's outputs (sc.o, rows ld apart) divided by their sums, to out
+  void write_rows(int64_t h, int64_t i0, int64_t R, int64_t ld, const PrefillScratch& sc) const {
+    const int64_t group = Hq / Hk;
     for (int64_t r = 0; r < R; ++r) {
       T* dst = out + ((i0 + r / group) * Hq + h * group + r % group) * D;
       float inv = 1.f / vsum(vload(sc.l.data() + r * kLanes));
-      for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(sc.o[r * Dp + d] * inv);
+      for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(sc.o[r * ld + d] * inv);
     }
   }
 
-  // Row r's scores against keys [p, p + n) masked (causal, window) and turned into
+  // Row r's scores sr[0:kKeys] against keys [p, p + n) masked (causal, window) and turned into
   // exp(s - running max); updates the running max and sum; returns the factor that rescales
   // its output so far (0 probabilities and factor 1 when the tile is masked for this row).
-  float softmax_step(int64_t r, int64_t qpos, int64_t p, int64_t n, PrefillScratch& sc) const {
-    float* sr = sc.s.data() + r * kKeys;
+  float softmax_step(float* sr, int64_t r, int64_t qpos, int64_t p, int64_t n,
+                     PrefillScratch& sc) const {
     // the tile's keys this row sees, [lo, hi): causal, inside the window, inside the tile
     const int64_t hi = std::min<int64_t>(n, qpos - p + 1);
     const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1 - p) : 0;
@@ -203,6 +219,14 @@ struct PrefillTask {
     return corr;
   }
 };
+
+}  // namespace tm
+
+#ifdef TM_AMX_ATTENTION
+#include "attention_amx.h"
+#endif
+
+namespace tm {
 
 template <typename T>
 void prefill_attention(const PrefillTask<T>& t, int64_t n_new) {

@@ -1,0 +1,73 @@
+"""The AMX tile code on a CPU without AMX: the AVX2 build of the kernels compiled with the tile
+intrinsics emulated in plain C++ (tests/csrc/amx_emulation.h) and the AMX prefill attention
+(attention_amx.h) switched on. Its layouts, strides, padding and masking are checked against
+the reference on every x86 machine CI runs; the real AMX build runs the same cases in
+test_kernels.py where the CPU has AMX."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import paged_history
+from tokenmill.kernels import build
+from tokenmill.kernels.isa import supported_isas
+from tokenmill.kernels.lib import KernelLib
+from tokenmill.layers.attention import PagedAttention, chunk_mask
+
+EMULATION = Path(__file__).parent / "csrc" / "amx_emulation.h"
+
+pytestmark = pytest.mark.skipif(
+    build.machine_arch() != "x86_64" or "avx2" not in supported_isas() or not build.compiler(),
+    reason="needs an x86-64 CPU with AVX2 and a C++ compiler")
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory):
+    out = tmp_path_factory.mktemp("amx") / build.library_name("avx2")
+    # -O1: the emulated tiles are slow either way; the build is ~2x faster to compile
+    flags = ["-fopenmp", "-DTM_AMX_EMULATED", "-include", str(EMULATION), "-O1"]
+    return KernelLib(build._compile("avx2", out, build.compiler(), flags))
+
+
+def tile_ops(lib: KernelLib) -> int:
+    import ctypes
+
+    return ctypes.c_int64.in_dll(lib._lib, "tm_emulated_tile_ops").value
+
+
+# (head_dim, query heads, KV heads): GQA 3 and 4, MHA, MQA; head sizes of 1, 2, 3 and 4 tile
+# steps (the value tiles in one pass of four and in two)
+@pytest.mark.parametrize("d,hq,hk", [(64, 9, 3), (128, 8, 2), (96, 4, 4), (32, 8, 1)])
+# (cached, new, window): a first chunk, a chunk reading its history, a window shorter than the
+# chunk, one token, chunks ending mid-block and mid key tile, more than one query tile
+@pytest.mark.parametrize("computed,new,window", [(0, 37, None), (20, 50, None), (0, 100, 24),
+                                                 (33, 17, 8), (0, 1, None), (5, 75, None),
+                                                 (40, 31, 100)])
+def test_amx_prefill_attention_matches_the_reference(emulated, d, hq, hk, computed, new, window):
+    torch.manual_seed(4)
+    length = computed + new
+    cache, table, _, _, _ = paged_history(length, 16, hk, d, torch.bfloat16)
+    q = torch.randn(new, hq, d).to(torch.bfloat16)
+    attn = PagedAttention(hq, hk, d, 0, sliding_window=window)
+    before = tile_ops(emulated)
+    out = emulated.prefill_attention(q, cache.k[0][0], cache.v[0][0], table, computed, window,
+                                     attn.scale)
+    assert tile_ops(emulated) > before  # the tile path ran
+    k, v = cache.gather(0, table[None], torch.bfloat16)
+    ref = attn._sdpa(q.float().transpose(0, 1), k[0, :length].float().transpose(0, 1),
+                     v[0, :length].float().transpose(0, 1),
+                     mask=chunk_mask(computed, new, window, q.device)).transpose(0, 1)
+    # bf16 output and bf16 probabilities (as the VDPBF16PS path and PyTorch's bf16 attention)
+    assert (out.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+def test_amx_path_is_bf16_whole_tiles_only(emulated):
+    """float32 and a head size that is no multiple of 32 keep the vector path."""
+    torch.manual_seed(0)
+    for dtype, d in ((torch.float32, 64), (torch.bfloat16, 40)):
+        cache, table, _, _, _ = paged_history(40, 16, 2, d, dtype)
+        q = torch.randn(40, 4, d).to(dtype)
+        before = tile_ops(emulated)
+        emulated.prefill_attention(q, cache.k[0][0], cache.v[0][0], table, 0, None, 0.1)
+        assert tile_ops(emulated) == before
