@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.kernels.elementwise import DTYPES, ElementwiseCalls, _ptr
 from tokenmill.kernels.isa import os_allows_amx
 from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check  # noqa: F401
 
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
 ABI_VERSION = 10
 _P, _I = c_void_p, c_int64
@@ -88,10 +88,6 @@ _SIGNATURES = {
 }
 
 
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
-
-
 class PackedLinear:
     """A weight in the library's panel layout (or block-quantized with `bits` 4 / 5 / 8, see
     tm_qpack) plus its float32 bias, as the C struct reads it; holds the tensors the struct
@@ -103,7 +99,7 @@ class PackedLinear:
         self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k, bits)
 
 
-class KernelLib(KVPageCalls):
+class KernelLib(KVPageCalls, ElementwiseCalls):
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._lib = ctypes.CDLL(str(path))
@@ -182,80 +178,6 @@ class KernelLib(KVPageCalls):
         self._sync_threads()
         self._lib.tm_linear_fwd(DTYPES[x.dtype], x.data_ptr(), x.shape[0], ctypes.byref(w.struct),
                                 DTYPES[out.dtype], out.data_ptr())
-        return out
-
-    # ---- elementwise ------------------------------------------------------------------------
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 add: torch.Tensor | None = None) -> torch.Tensor:
-        """weight * normalize(x); with add, x += add first, in place (x: the residual stream)."""
-        _check(x.is_contiguous() and weight.dtype == x.dtype and weight.numel() == x.shape[-1]
-               and (add is None or (add.shape == x.shape and add.dtype == x.dtype)),
-               "rms_norm: contiguous x, weight and add of x's dtype and width")
-        add = None if add is None else add.contiguous()
-        out = torch.empty_like(x)
-        h = x.shape[-1]
-        self._sync_threads()
-        self._lib.tm_rms_norm(DTYPES[x.dtype], x.data_ptr(), weight.contiguous().data_ptr(),
-                              _ptr(add), out.data_ptr(), x.numel() // h, h, eps)
-        return out
-
-    def rope(self, x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:
-        """In place on x: (tokens, heads, head_dim); cos_sin: (2, max_positions, head_dim)."""
-        _check(x.dim() == 3 and x.is_contiguous() and cos_sin.is_contiguous()
-               and cos_sin.dtype == torch.float32 and cos_sin.shape[2] == x.shape[2]
-               and positions.numel() == x.shape[0], "rope: bad shapes")
-        pos = positions.to(torch.int64).contiguous()
-        self._sync_threads()
-        self._lib.tm_rope(DTYPES[x.dtype], x.data_ptr(), *x.shape, cos_sin.data_ptr(),
-                          cos_sin.shape[1], pos.data_ptr())
-
-    def rope_store(self, qkv: torch.Tensor, heads: int, kv_heads: int, cos_sin: torch.Tensor,
-                   positions: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """qkv (tokens, >= (heads + 2 kv_heads) head_dim; rows may be strided): q, k, v heads
-        side by side -> rotated q (tokens, heads, head_dim) and k (tokens, kv_heads,
-        head_dim), as rope() gives; rotated k and v also written to k_cache / v_cache
-        (cache slots, kv_heads, head_dim) at slots."""
-        D = cos_sin.shape[2]
-        tokens = qkv.shape[0]
-        _check(qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] >= (heads + 2 * kv_heads) * D
-               and k_cache.shape[1:] == v_cache.shape[1:] == (kv_heads, D)
-               and k_cache.is_contiguous() and v_cache.is_contiguous()
-               and qkv.dtype == k_cache.dtype == v_cache.dtype and cos_sin.is_contiguous()
-               and cos_sin.dtype == torch.float32 and positions.numel() == slots.numel() == tokens,
-               "rope_store: bad shapes")
-        pos, slots = positions.to(torch.int64).contiguous(), slots.to(torch.int64).contiguous()
-        q = torch.empty(tokens, heads, D, dtype=qkv.dtype, device=qkv.device)
-        k = torch.empty(tokens, kv_heads, D, dtype=qkv.dtype, device=qkv.device)
-        self._sync_threads()
-        self._lib.tm_rope_store(DTYPES[qkv.dtype], qkv.data_ptr(), qkv.stride(0), tokens, heads,
-                                kv_heads, D, cos_sin.data_ptr(), cos_sin.shape[1], pos.data_ptr(),
-                                q.data_ptr(), k.data_ptr(), k_cache.data_ptr(),
-                                v_cache.data_ptr(), slots.data_ptr())
-        return q, k
-
-    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gated(self._lib.tm_silu_mul, x)
-
-    def gelu_tanh_mul(self, x: torch.Tensor) -> torch.Tensor:
-        return self._gated(self._lib.tm_gelu_tanh_mul, x)
-
-    def _gated(self, fn, x: torch.Tensor) -> torch.Tensor:
-        """x (..., 2 * inter) = [gate | up] -> act(gate) * up (..., inter)."""
-        x = x.contiguous()
-        inter = x.shape[-1] // 2
-        out = torch.empty(*x.shape[:-1], inter, dtype=x.dtype, device=x.device)
-        self._sync_threads()
-        fn(DTYPES[x.dtype], x.data_ptr(), out.data_ptr(), x.numel() // (2 * inter), inter)
-        return out
-
-    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
-        _check(x.dim() == 2 and x.dtype == torch.float32 and x.shape[1] > 0,
-               "argmax_rows: (rows, n) float32, n > 0")
-        x = x.contiguous()
-        out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-        self._sync_threads()
-        self._lib.tm_argmax_rows(x.data_ptr(), *x.shape, out.data_ptr())
         return out
 
     # ---- attention --------------------------------------------------------------------------
