@@ -36,9 +36,9 @@ def tile_ops(lib: KernelLib) -> int:
     return ctypes.c_int64.in_dll(lib._lib, "tm_emulated_tile_ops").value
 
 
-# (head_dim, query heads, KV heads): GQA 3 and 4, MHA, MQA; head sizes of 1, 2, 3 and 4 tile
-# steps (the value tiles in one pass of four and in two)
-@pytest.mark.parametrize("d,hq,hk", [(64, 9, 3), (128, 8, 2), (96, 4, 4), (32, 8, 1)])
+# (head_dim, query heads, KV heads): GQA 2, 3 and 4, MHA, MQA; head sizes of 1, 2, 3, 4 and 8 tile
+# steps (the value tiles: part of one pass of four, one pass, two passes, four)
+@pytest.mark.parametrize("d,hq,hk", [(64, 9, 3), (128, 8, 2), (96, 4, 4), (32, 8, 1), (256, 4, 2)])
 # (cached, new, window): a first chunk, a chunk reading its history, a window shorter than the
 # chunk, one token, chunks ending mid-block and mid key tile, more than one query tile
 @pytest.mark.parametrize("computed,new,window", [(0, 37, None), (20, 50, None), (0, 100, 24),
