@@ -21,6 +21,8 @@ struct PrefillScratch {
   std::vector<uint32_t> qp, kp, vp, pp;  // bf16 pairs (the dot-product path)
 };
 
+// The AMX tile path (attention_amx.h); TM_AMX_EMULATED turns it on in a build whose tile
+// instructions are emulated in C++ (tests/test_amx_emulated.py only)
 #if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
 #define TM_AMX_ATTENTION
 template <typename Task>
