@@ -40,6 +40,9 @@ def test_pack_round_trip(lib, bits):
     assert torch.equal(lib.qdequantize(packed), bq.dequantize())
     rows = torch.tensor([36, 0, 17, 17])
     assert torch.equal(lib.qdequantize(packed, rows), bq.dequantize()[rows])
+    for bad in (37, 40, -1):  # past n (37 is inside the padded group of 48), negative
+        with pytest.raises(ValueError, match=r"row indices in \[0, 37\)"):
+            lib.qdequantize(packed, torch.tensor([0, bad]))
 
 
 @pytest.mark.parametrize("bits", [4, 5, 8])

@@ -119,14 +119,14 @@ class ModelRunner:
             starts[i] = len(ids)
             ids += seq.step_token_ids(first, n)
             positions += range(first, first + n)
+        ids, positions = self._tensor([ids, positions])  # one conversion, two row views
         if self.pooled:
-            return (self._tensor(ids), self._tensor(positions),
-                    self._pooled_context(scheduled, order, starts), starts)
+            return ids, positions, self._pooled_context(scheduled, order, starts), starts
         ctxs = [self._group_context(g, scheduled, order, num_decodes, starts)
                 for g in range(len(self.kv_caches))]
         ctx = ctxs[0]
         ctx.window_ctx = ctxs[1] if len(ctxs) > 1 else None
-        return self._tensor(ids), self._tensor(positions), ctx, starts
+        return ids, positions, ctx, starts
 
     def _group_context(self, group: int, scheduled, order, num_decodes, starts):
         """Slots and block tables of one block pool's cache (a staged cache: stage rows and
@@ -143,12 +143,8 @@ class ModelRunner:
             if not seq.runs_as_decode(n):
                 prefills.append(PrefillChunk(starts[i], starts[i] + n, first, self._tensor(table),
                                              self._tensor(stages) if staged else None))
-        ctx = AttentionContext(self.kv_caches[group], self._tensor(slots), num_decodes,
-                               prefills=prefills)
-        if staged:
-            ctx.stage_mapping = self._tensor(stage_rows)
+        tables, lens, own = [], [], []
         if num_decodes:  # one row per decode token; a verify step's rows see one more each
-            tables, lens, own = [], [], []
             for seq, n in (scheduled[i] for i in order):
                 if not seq.runs_as_decode(n):
                     continue
@@ -157,10 +153,16 @@ class ModelRunner:
                 lens += range(first + 1, first + n + 1)
                 if staged:
                     own += [seq.stage_tables[group][p // bs] for p in range(first, first + n)]
+        index = self._tensor(slots + lens)  # one conversion: slots, then lens
+        ctx = AttentionContext(self.kv_caches[group], index[:len(slots)], num_decodes,
+                               prefills=prefills)
+        if staged:
+            ctx.stage_mapping = self._tensor(stage_rows)
+        if num_decodes:
             # NULL_BLOCK (-1, slid out of the window) indexes the last block: read but masked.
             width = max(len(t) for t in tables)
             ctx.decode_block_tables = self._tensor([t + [0] * (width - len(t)) for t in tables])
-            ctx.decode_seq_lens = self._tensor(lens)
+            ctx.decode_seq_lens = index[len(slots):]
             if staged:
                 ctx.decode_stages = self._tensor(own)
         return ctx
@@ -185,7 +187,11 @@ class ModelRunner:
             self.tp_driver.step(scheduled, list(rows))
         input_ids, positions, ctx, _ = prepared or self.prepare(scheduled)
         hidden = self.forward(input_ids, positions, ctx)
-        return self.logits(hidden[self._tensor(list(rows))]) if len(rows) else None
+        if not len(rows):
+            return None
+        if len(rows) < hidden.shape[0] or rows[-1] != len(rows) - 1:  # (rows ascend)
+            hidden = hidden[self._tensor(list(rows))]
+        return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden)

@@ -13,12 +13,12 @@ import torch
 
 from tokenmill.kernels.elementwise import DTYPES, ElementwiseCalls, _ptr
 from tokenmill.kernels.isa import os_allows_amx
-from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check  # noqa: F401
+from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check, _index  # noqa: F401
 
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 10
+ABI_VERSION = 11
 _P, _I = c_void_p, c_int64
 
 
@@ -67,7 +67,7 @@ _SIGNATURES = {
     "tm_quant_fast": (c_int, []),
     "tm_qpacked_bytes": (_I, [c_int, _I, _I]),
     "tm_qpack": (None, [c_int, _P, _P, _P, _I, _I, _P]),
-    "tm_qdequantize": (None, [c_int, _P, _I, _I, _P, _I, _P]),
+    "tm_qdequantize": (c_int, [c_int, _P, _I, _I, _P, _I, _P]),
     "tm_rms_norm": (None, [c_int, _P, _P, _P, _P, _I, _I, c_float]),
     "tm_rope": (None, [c_int, _P, _I, _I, _I, _P, _I, _P]),
     "tm_rope_store": (None, [c_int, _P, _I, _I, _I, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P]),
@@ -157,14 +157,14 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
 
     def qdequantize(self, w: PackedLinear, rows: torch.Tensor | None = None) -> torch.Tensor:
         """A quantized weight's rows (all, or those indexed by `rows`) in float32."""
-        idx = None if rows is None else rows.to(torch.int64).contiguous()
-        _check(w.bits in QUANT_BITS and (idx is None or bool(((idx >= 0) & (idx < w.n)).all())),
-               "qdequantize: a quantized weight and row indices in range")
+        idx = None if rows is None else _index(rows)
+        _check(w.bits in QUANT_BITS, "qdequantize: a quantized weight")
         count = w.n if idx is None else idx.numel()
         out = torch.empty(count, w.k, dtype=torch.float32)
         self._sync_threads()
-        self._lib.tm_qdequantize(w.bits, w.packed.data_ptr(), w.n, w.k, _ptr(idx), count,
-                                 out.data_ptr())
+        _check(self._lib.tm_qdequantize(w.bits, w.packed.data_ptr(), w.n, w.k, _ptr(idx), count,
+                                        out.data_ptr()) == 0,
+               f"qdequantize: row indices in [0, {w.n})")
         return out
 
     def linear(self, x: torch.Tensor, w: PackedLinear, out_fp32: bool = False) -> torch.Tensor:

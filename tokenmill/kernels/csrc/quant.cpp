@@ -176,9 +176,11 @@ void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const uint16_t*
   });
 }
 
-void tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k, const int64_t* rows,
-                    int64_t count, float* out) {
+int tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k, const int64_t* rows,
+                   int64_t count, float* out) {
   using namespace tm;
+  for (int64_t i = 0; rows && i < count; ++i)
+    if (rows[i] < 0 || rows[i] >= n) return -1;
   const int64_t blocks = k / kBlock;
   parallel_for(0, count, 16, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
@@ -192,7 +194,7 @@ void tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k, const
       }
     }
   });
-  (void)n;
+  return 0;
 }
 
 }  // extern "C"

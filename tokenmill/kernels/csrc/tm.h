@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 10
+#define TM_ABI_VERSION 11
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -101,13 +101,14 @@ TM_API int64_t tm_packed_numel(int dtype, int64_t n, int64_t k);
 TM_API void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out);
 /* Block-quantized weights: codes (n, k) uint8 and float16 d, m (n, k / 32), w = d * code + m,
  * repacked for the kernels (bits 4, 5 or 8; k a multiple of 32); tm_qdequantize gives `count`
- * rows (rows[i], or row i when rows is NULL) back in float32. tm_quant_fast: 1 when this build
+ * rows (rows[i], or row i when rows is NULL) back in float32, and returns 0, or -1 (nothing
+ * written) when a row index is outside [0, n). tm_quant_fast: 1 when this build
  * has the integer dot-product kernel (else a portable loop runs). */
 TM_API int tm_quant_fast(void);
 TM_API int64_t tm_qpacked_bytes(int bits, int64_t n, int64_t k);
 TM_API void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
                      int64_t n, int64_t k, uint8_t* out);
-TM_API void tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k,
+TM_API int tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k,
                            const int64_t* rows, int64_t count, float* out);
 /* out (m, n) in out_dtype = x (m, k) @ w.T + bias; x in the packed weight's dtype, or float32 /
  * bfloat16 for quantized weights (quantized per 32 to int8 inside) */
