@@ -15,17 +15,19 @@ constexpr int64_t kMaxQueries = 64;  // queries gathered for one call of the mul
 // The query heads of `kv` adjacent KV heads (from KV head h) of `nrows` token rows of one
 // sequence at consecutive positions (rows `qstride` values apart in q and out; the last row
 // attends positions [.., L), each row before it one fewer) against its paged K/V history;
-// `heads` query heads per KV head: its whole GQA group, or one head of it. Each K and V row is
-// read from the cache once for all of them, the `kv` heads side by side (one contiguous slice
-// of the cache row), widened into an L1 scratch that every query uses; a single query reads
-// the cache rows directly. A row's positions past its own (or before its window) are scored
-// with the others but weigh exactly 0 after its own softmax, so its output is bit for bit what
-// it gets attending alone (every score is reduced by the same tree: see score()).
+// `heads` query heads per KV head: its whole GQA group, or one head of it. The walk brings each
+// K and V block piece into L1 once for all of them, the `kv` heads side by side (one contiguous
+// slice of the cache row), and every query reads the cache rows there, widening as it loads
+// (a float32 scratch of the piece that the queries then read was 5-35% slower on AVX2, Zen 3,
+// in every shape measured, the same bits). A row's positions past its own (or before its
+// window) are scored with the others but weigh exactly 0 after its own softmax, so its output
+// is bit for bit what it gets attending alone (every score is reduced by the same tree: see
+// score()).
 template <typename T>
 void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const T* vc,
                   const int64_t* table, int64_t window, int64_t L, int64_t BS, int64_t Hk,
                   int64_t h, int64_t kv, int64_t D, int64_t heads, float scale, float* scores,
-                  float* buf, float* qf, float* acc, T* out) {
+                  float* qf, float* acc, T* out) {
   auto first = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; };
   const int64_t start = first(L - nrows + 1), row = Hk * D, n = L - start, W = kv * D;
   const int64_t nq = kv * heads, total = nrows * nq;
@@ -67,10 +69,8 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
       return;
     }
 #endif
-    if (total == 1) return score(qf, k, row, rows, D, scores + at);
-    widen_block(k, rows, row, W, buf);
     for (int64_t g = 0; g < total; ++g)
-      score(qf + g * Dp, buf + kv_col(g), W, rows, D, scores + g * n + at);
+      score(qf + g * Dp, k + kv_col(g), row, rows, D, scores + g * n + at);
   });
   for (int64_t g = 0; g < total; ++g) {  // each row's own positions
     const int64_t len = L - (nrows - 1 - g / nq), off = first(len) - start;
@@ -85,17 +85,15 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
     if (D % 32 == 0) return value_sums_dot(values, start, scores, n, nrows, nq, heads, kv, D, acc, out, qstride);
 #endif
   walk(values, start, [&](int64_t at, int64_t rows, const T* v) {
-    if (total == 1) return accumulate_rows(scores + at, v, row, rows, D, acc);
-    widen_block(v, rows, row, W, buf);
     for (int64_t c = 0; c < kv; ++c) {  // the queries of KV head c, up to four at a time
       const float* sc[4];
       float* out4[4];
       int q = 0;
       auto flush = [&] {
-        if (q == 4) accumulate_queries<4>(sc, buf + c * D, W, rows, D, out4);
-        else if (q == 3) accumulate_queries<3>(sc, buf + c * D, W, rows, D, out4);
-        else if (q == 2) accumulate_queries<2>(sc, buf + c * D, W, rows, D, out4);
-        else if (q == 1) accumulate_queries<1>(sc, buf + c * D, W, rows, D, out4);
+        if (q == 4) accumulate_queries<4>(sc, v + c * D, row, rows, D, out4);
+        else if (q == 3) accumulate_queries<3>(sc, v + c * D, row, rows, D, out4);
+        else if (q == 2) accumulate_queries<2>(sc, v + c * D, row, rows, D, out4);
+        else if (q == 1) accumulate_queries<1>(sc, v + c * D, row, rows, D, out4);
         q = 0;
       };
       for (int64_t r = 0; r < nrows; ++r)
@@ -157,7 +155,7 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
   const int64_t U = static_cast<int64_t>(units.size());
   int64_t unit_rows = 1;
   for (auto [b, n] : units) unit_rows = std::max(unit_rows, n);
-  // Tasks: with many units, one per (unit, KV heads whose cache row slice fits the scratch),
+  // Tasks: with many units, one per (unit, up to kMaxHeadDim values of KV heads),
   // which reads each cache row as one contiguous run; with fewer, one per (unit, KV head), or
   // per (unit, query head) when even those are too few for the threads (single rows only).
   // A unit of several rows (a sequence verifying drafts) always takes one KV head a task: its
@@ -165,7 +163,7 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
   // wider tasks (one verifying sequence moved every sequence of the step to one KV head a
   // task before: +0.9 ms a 16-sequence step of 30 layers for one drafted token).
   // Whole GQA groups as soon as there is a (unit, KV head) task per thread: a query-head task
-  // reads and widens the same cache rows as its group's others, so splitting a group only pays
+  // reads the same cache rows as its group's others, so splitting a group only pays
   // where threads would idle (one sequence, 3 KV heads, 2 threads, AVX2: 30 layers at 2,048
   // positions 261 -> 225 us a layer, bit for bit the same; 1 thread 435 -> 323). On VDPBF16PS
   // a lone bf16 query scores the cache rows in place (score_dot: nothing widened to share):
@@ -200,11 +198,11 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
     const auto [u, hq, kv] = tasks[j];
     const auto [b, n] = units[u];
     const int64_t queries = heads * kv * n, last = b + n - 1;
-    thread_local std::vector<float> scores, buf, qf, acc;
-    scores.resize(longest * queries), buf.resize(kRows * kv * D + kLanes);
+    thread_local std::vector<float> scores, qf, acc;
+    scores.resize(longest * queries);
     qf.resize(queries * Dp), acc.resize(queries * Dp);
     attend_group(q + (b * Hq + hq) * D, Hq * D, n, kc, vc, tables + last * max_blocks, window,
-                 lens[last], BS, Hk, hq / group, kv, D, heads, scale, scores.data(), buf.data(),
+                 lens[last], BS, Hk, hq / group, kv, D, heads, scale, scores.data(),
                  qf.data(), acc.data(), out + (b * Hq + hq) * D);
   }, std::max<int64_t>(1, (1 << 14) / work));
 }

@@ -1,7 +1,6 @@
 // Decode attention's reading of the paged history (included by attention.cpp): a sequence's
-// K or V rows through its block table, walked a cache block at a time with prefetches, widened
-// to float32 scratch, and on AVX512-BF16 the scores and value sums on bf16 pairs straight from
-// the cache rows.
+// K or V rows through its block table, walked a cache block at a time with prefetches, and on
+// AVX512-BF16 the scores and value sums on bf16 pairs straight from the cache rows.
 #pragma once
 
 #include "attention_common.h"
@@ -60,16 +59,6 @@ void walk(const Paged<T>& h, int64_t start, Fn fn) {
     if (c1.p >= h.L) return;
     c = c1;
     c1 = next(c);
-  }
-}
-
-// rows x W cache values (stride `row`) -> float32 scratch (rows x W)
-template <typename T>
-void widen_block(const T* src, int64_t rows, int64_t row, int64_t W, float* dst) {
-  for (int64_t j = 0; j < rows; ++j) {
-    int64_t i = 0;
-    for (; i + kLanes <= W; i += kLanes) vstore(dst + j * W + i, vload(src + j * row + i));
-    for (; i < W; ++i) dst[j * W + i] = to_f(src[j * row + i]);
   }
 }
 
