@@ -151,6 +151,45 @@ def test_decode_attention(kops, dtype, window, threads, block_size, seqs, head_d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 20, 300])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_decode_attention_long_histories(kops, dtype, window, threads, head_dim):
+    """Histories of 100-711 positions over 45 blocks of 16 (rows and verify runs around 256 and
+    512, where split decoding would cut them; it was measured and not kept, see
+    docs/performance.md): every row bit for bit what it gives alone, and the reference's."""
+    from tokenmill.layers.attention import AttentionContext, PagedAttention
+    from tokenmill.layers.kv_cache import KVCache
+
+    torch.manual_seed(5)
+    d, bs, blocks = head_dim, 16, 48
+    cache = KVCache(1, blocks, bs, 2, d, dtype, torch.device("cpu"))
+    slots = blocks * bs
+    cache.store(0, torch.randn(slots, 2, d), torch.randn(slots, 2, d), torch.arange(slots))
+    runs = [(253, 6), (256, 1), (257, 1), (511, 3), (600, 1), (100, 1), (700, 12)]
+    tables, lens = [], []
+    for start, n in runs:
+        table = torch.randperm(blocks)[:45]
+        tables += [table] * n
+        lens += range(start, start + n)
+    tables, lens = torch.stack(tables), torch.tensor(lens)
+    q = torch.randn(len(lens), 6, d).to(dtype)
+    attn = PagedAttention(6, 2, d, 0, sliding_window=window)
+    kc, vc = cache.k[0][0], cache.v[0][0]
+    fast = kops.decode_attention(q, kc, vc, tables, lens, window, attn.scale)
+    for b in range(len(lens)):
+        alone = kops.decode_attention(q[b:b + 1], kc, vc, tables[b:b + 1], lens[b:b + 1],
+                                      window, attn.scale)
+        assert torch.equal(fast[b:b + 1], alone), b
+    ctx = AttentionContext(cache, torch.tensor([]), len(lens), decode_block_tables=tables,
+                           decode_seq_lens=lens)
+    k, v = cache.gather(0, tables, dtype)
+    ref = attn._sdpa(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2),
+                     mask=ctx.decode_mask(window))[:, :, 0]
+    close(fast, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("window", [None, 20])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 # 64: two 32-column groups summed per key (keys in lanes on AVX512-BF16, attention_lanes.h)
