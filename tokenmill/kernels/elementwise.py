@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.kernels.kv_pages import _check
+from tokenmill.kernels.kv_pages import _check, _ptr
 
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # TM_F32, TM_BF16
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 class ElementwiseCalls:

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.kernels.elementwise import DTYPES, ElementwiseCalls, _ptr
+from tokenmill.kernels.elementwise import DTYPES, ElementwiseCalls
 from tokenmill.kernels.isa import os_allows_amx
-from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check, _index  # noqa: F401
+from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check, _index, _ptr  # noqa: F401
 
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
