@@ -51,9 +51,10 @@ def test_pack_round_trip(lib, bits):
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 70])
 def test_quantized_linear(lib, bits, dtype, rows):
     bq = random_bq(45, 576, bits, seed=rows)
-    bias = torch.randn(45)
+    g = torch.Generator().manual_seed(rows)  # not the global RNG: its state depends on the order
+    bias = torch.randn(45, generator=g)
     layer = lib.qpack(bq.codes, bq.d, bq.m, bits, bias)
-    x = (torch.randn(rows, 576) * torch.rand(rows, 1) * 4).to(dtype)
+    x = (torch.randn(rows, 576, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(dtype)
     x[0, :32] = 0  # an all-zero block
     want = linear_ref(x, bq, bias)
     scale = want.abs().max().item()

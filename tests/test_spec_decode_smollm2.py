@@ -68,9 +68,9 @@ def test_default_model_greedy_is_identical_with_drafts(default_model, expected, 
 def test_default_model_seeded_sampling_is_identical_with_lookup_drafts(default_model):
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=64, seed=11)
     convs = [[{"role": "user", "content": p}] for p in PROMPTS["grounded"][:4]]
-    base = [o.outputs[0].token_ids for o in LLM(default_model, max_num_seqs=4).chat(
-        convs, params, use_tqdm=False)]
-    llm = LLM(default_model, max_num_seqs=4, speculative_config=CONFIGS[1])
+    base = [o.outputs[0].token_ids for o in LLM(default_model, max_num_seqs=4, **invariant()
+                                                    ).chat(convs, params, use_tqdm=False)]
+    llm = LLM(default_model, max_num_seqs=4, speculative_config=CONFIGS[1], **invariant())
     outs = llm.chat(convs, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == base
     assert sum(o.metrics.num_accepted_tokens for o in outs) > 0

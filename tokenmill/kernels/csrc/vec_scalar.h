@@ -31,8 +31,13 @@ inline vec vmul(vec a, vec b) { TM_LANES(a.x[i] * b.x[i]); }
 inline vec vdiv(vec a, vec b) { TM_LANES(a.x[i] / b.x[i]); }
 inline vec vmax(vec a, vec b) { TM_LANES(a.x[i] > b.x[i] ? a.x[i] : b.x[i]); }
 inline vec vmin(vec a, vec b) { TM_LANES(a.x[i] < b.x[i] ? a.x[i] : b.x[i]); }
+#ifdef __FP_FAST_FMAF  // one instruction here (AArch64, an x86 target with FMA)
 inline vec vfma(vec a, vec b, vec c) { TM_LANES(std::fma(a.x[i], b.x[i], c.x[i])); }
 inline vec vfnma(vec a, vec b, vec c) { TM_LANES(std::fma(-a.x[i], b.x[i], c.x[i])); }
+#else  // baseline x86-64 has no FMA: std::fma would be a libm call per lane, never vectorized
+inline vec vfma(vec a, vec b, vec c) { TM_LANES(a.x[i] * b.x[i] + c.x[i]); }
+inline vec vfnma(vec a, vec b, vec c) { TM_LANES(c.x[i] - a.x[i] * b.x[i]); }
+#endif
 inline vec vfloor(vec v) { TM_LANES(std::floor(v.x[i])); }
 inline vec vexp2i(vec n) { TM_LANES(std::ldexp(1.0f, static_cast<int>(n.x[i]))); }
 #undef TM_LANES
