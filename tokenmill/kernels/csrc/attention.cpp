@@ -69,8 +69,17 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
       return;
     }
 #endif
-    for (int64_t g = 0; g < total; ++g)
-      score(qf + g * Dp, k + kv_col(g), row, rows, D, scores + g * n + at);
+    for (int64_t c = 0; c < kv; ++c) {  // the queries of KV head c, up to eight at a time
+      const float* q8[8];
+      float* s8[8];
+      int count = 0;
+      for (int64_t r = 0; r < nrows; ++r)
+        for (int64_t i = c * heads; i < (c + 1) * heads; ++i) {
+          q8[count] = qf + (r * nq + i) * Dp, s8[count++] = scores + (r * nq + i) * n + at;
+          if (count == 8) score_queries(q8, count, k + c * D, row, rows, D, s8), count = 0;
+        }
+      if (count) score_queries(q8, count, k + c * D, row, rows, D, s8);
+    }
   });
   for (int64_t g = 0; g < total; ++g) {  // each row's own positions
     const int64_t len = L - (nrows - 1 - g / nq), off = first(len) - start;
