@@ -94,23 +94,25 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
     if (D % 32 == 0) return value_sums_dot(values, start, scores, n, nrows, nq, heads, kv, D, acc, out, qstride);
 #endif
   walk(values, start, [&](int64_t at, int64_t rows, const T* v) {
-    for (int64_t c = 0; c < kv; ++c) {  // the queries of KV head c, up to four at a time
-      const float* sc[4];
-      float* out4[4];
+    for (int64_t c = 0; c < kv; ++c) {  // the queries of KV head c, up to six at a time
+      const float* sc[6];
+      float* outs[6];
       int q = 0;
       auto flush = [&] {
-        if (q == 4) accumulate_queries<4>(sc, v + c * D, row, rows, D, out4);
-        else if (q == 3) accumulate_queries<3>(sc, v + c * D, row, rows, D, out4);
-        else if (q == 2) accumulate_queries<2>(sc, v + c * D, row, rows, D, out4);
-        else if (q == 1) accumulate_queries<1>(sc, v + c * D, row, rows, D, out4);
+        if (q == 6) accumulate_queries<6>(sc, v + c * D, row, rows, D, outs);
+        else if (q == 5) accumulate_queries<5>(sc, v + c * D, row, rows, D, outs);
+        else if (q == 4) accumulate_queries<4>(sc, v + c * D, row, rows, D, outs);
+        else if (q == 3) accumulate_queries<3>(sc, v + c * D, row, rows, D, outs);
+        else if (q == 2) accumulate_queries<2>(sc, v + c * D, row, rows, D, outs);
+        else if (q == 1) accumulate_queries<1>(sc, v + c * D, row, rows, D, outs);
         q = 0;
       };
       for (int64_t r = 0; r < nrows; ++r)
         for (int64_t i = c * heads; i < (c + 1) * heads; ++i) {
           const int64_t g = r * nq + i;
           sc[q] = scores + g * n + at;
-          out4[q++] = acc + g * Dp;
-          if (q == 4) flush();
+          outs[q++] = acc + g * Dp;
+          if (q == 6) flush();
         }
       flush();
     }
