@@ -16,6 +16,7 @@ from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.memory import (
     MemoryReport,
     available_memory,
+    check_kv_budget,
     check_model_fits,
     peak_rss,
     reset_peak_rss,
@@ -48,6 +49,8 @@ class LLMEngine:
         reset_peak_rss()
         path = resolve_model(config.model)
         check_model_fits(path, self.device)
+        if config.kv_cache_memory is not None:  # refused before kernels build, weights load
+            check_kv_budget(config.kv_cache_memory, self.device)
         read_model_config(path)  # a GGUF's metadata is parsed once, here, and reused by the loaders
         clock.lap("metadata")
         backend = ops.select(config.use_kernels, self.device, config.deterministic)
