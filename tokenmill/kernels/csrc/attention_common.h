@@ -39,54 +39,12 @@ inline void softmax(float* s, int64_t n) {
   for (; i < n; ++i) s[i] /= total;
 }
 
-// sc[j] = qf . k[j] for `rows` key rows (stride `stride`): eight rows at a time, eight
-// independent FMA chains reduced together (vsum8), the last rows too. qf is zero-padded to
-// whole vectors. DV > 0: head_dim is DV whole vectors (the common sizes), so the loops unroll
-// and the sums stay in registers.
-template <int DV, typename R>
-void score_rows(const float* qf, const R* k, int64_t stride, int64_t rows, int64_t D, float* sc) {
-  const int64_t full = DV ? DV * kLanes : D / kLanes * kLanes, tail = DV ? 0 : D - full;
-  int64_t j = 0;
-  for (; j + 8 <= rows; j += 8, k += 8 * stride) {
-    vec a[8];
-    for (int r = 0; r < 8; ++r) a[r] = vzero();
-#pragma GCC unroll 16
-    for (int64_t i = 0; i < full; i += kLanes) {
-      vec qv = vload(qf + i);
-      for (int r = 0; r < 8; ++r) a[r] = vfma(qv, vload(k + r * stride + i), a[r]);
-    }
-    if (!DV && tail)
-      for (int r = 0; r < 8; ++r) a[r] = vfma(vload(qf + full), vload_part(k + r * stride + full, tail), a[r]);
-    vsum8(a, sc + j);
-  }
-  if (j == rows) return;
-  vec a[8];  // the last < 8 rows: summed by the same tree as the others (vsum8), so a row's
-  for (int r = 0; r < 8; ++r) a[r] = vzero();  // score does not depend on its place in a chunk
-  for (int r = 0; r < rows - j; ++r, k += stride) {
-#pragma GCC unroll 16
-    for (int64_t i = 0; i < full; i += kLanes) a[r] = vfma(vload(qf + i), vload(k + i), a[r]);
-    if (!DV && tail) a[r] = vfma(vload(qf + full), vload_part(k + full, tail), a[r]);
-  }
-  float sums[8];
-  vsum8(a, sums);
-  std::copy(sums, sums + (rows - j), sc + j);
-}
-
-template <typename R>
-void score(const float* qf, const R* k, int64_t stride, int64_t rows, int64_t D, float* sc) {
-  switch (D == kLanes * (D / kLanes) ? D / kLanes : 0) {
-    case 2: return score_rows<2>(qf, k, stride, rows, D, sc);
-    case 4: return score_rows<4>(qf, k, stride, rows, D, sc);
-    case 8: return score_rows<8>(qf, k, stride, rows, D, sc);
-    case 16: return score_rows<16>(qf, k, stride, rows, D, sc);
-    default: return score_rows<0>(qf, k, stride, rows, D, sc);
-  }
-}
-
-// score() for Q queries of the same key rows: each key vector is loaded (widened) once for all
-// of them, R rows at a time (R x Q independent FMA chains), where score() widens it once per
-// query (two thirds of the work for bf16 keys on AVX2). Every score is the same FMA chain per
-// lane and the same vsum8 tree as score() gives it, so the bits do not depend on the grouping.
+// sc_g[j] = qf_g . k[j] for Q queries g of the same `rows` key rows (stride `stride`): each key
+// vector is loaded (widened) once for all of them, R rows at a time (R x Q independent FMA
+// chains; loading it once per query was two thirds of the work for bf16 keys on AVX2). Every
+// score is one FMA chain per lane over d, reduced eight rows at a time by vsum8 (the last rows
+// too), so it does not depend on Q, R or its place in a chunk. qf is zero-padded to whole
+// vectors; DV > 0: head_dim is DV whole vectors (the common sizes), so the loops unroll.
 template <int Q, int R, int DV, typename K>
 void score_queries_of(const float* const* qf, const K* k, int64_t stride, int64_t rows,
                       int64_t D, float* const* sc) {
@@ -135,6 +93,7 @@ template <int Q, int R, typename K>
 void score_queries_d(const float* const* qf, const K* k, int64_t stride, int64_t rows,
                      int64_t D, float* const* sc) {
   switch (D == kLanes * (D / kLanes) ? D / kLanes : 0) {
+    case 2: return score_queries_of<Q, R, 2>(qf, k, stride, rows, D, sc);
     case 4: return score_queries_of<Q, R, 4>(qf, k, stride, rows, D, sc);
     case 8: return score_queries_of<Q, R, 8>(qf, k, stride, rows, D, sc);
     case 16: return score_queries_of<Q, R, 16>(qf, k, stride, rows, D, sc);
@@ -142,8 +101,13 @@ void score_queries_d(const float* const* qf, const K* k, int64_t stride, int64_t
   }
 }
 
-// score() for n <= 8 queries of the same key rows (see score_queries_of); one query alone
-// keeps score()'s eight rows at a time
+// one query: eight rows at a time
+template <typename K>
+void score(const float* qf, const K* k, int64_t stride, int64_t rows, int64_t D, float* sc) {
+  score_queries_d<1, 8>(&qf, k, stride, rows, D, &sc);
+}
+
+// n <= 8 queries of the same key rows (score_queries_of)
 template <typename K>
 void score_queries(const float* const* qf, int n, const K* k, int64_t stride, int64_t rows,
                    int64_t D, float* const* sc) {

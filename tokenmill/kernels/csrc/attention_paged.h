@@ -86,7 +86,7 @@ inline void score_dot(const bf16* q, const bf16* k, int64_t stride, int64_t rows
     for (int r = 0; r < 8; ++r) sc[j + r] = sums[r] * scale;
   }
   if (j == rows) return;
-  vec a[8];  // the last < 8 rows by the same reduction (see score_rows)
+  vec a[8];  // the last < 8 rows by the same reduction (see score_queries_of)
   for (int r = 0; r < 8; ++r) a[r] = vzero();
   for (int r = 0; r < rows - j; ++r, k += stride)
     for (int64_t i = 0; i < D; i += 32) a[r] = _mm512_dpbf16_ps(a[r], kload(q, i), kload(k, i));
