@@ -100,6 +100,53 @@ def test_decode_attention_on_quantized_pages(kops, fmt, window, threads, seqs):
     close_integer(fast, attn._decode(q, ctx))
 
 
+@pytest.fixture(scope="module")
+def wide_value_passes(tmp_path_factory):
+    """The AVX2 build with the value passes AVX-512 takes (four accumulators a head: values_int.h),
+    which AVX2 itself never runs."""
+    from tokenmill.kernels import build
+    from tokenmill.kernels.isa import supported_isas
+    from tokenmill.kernels.lib import KernelLib
+
+    if build.machine_arch() != "x86_64" or "avx2" not in supported_isas():
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    out = tmp_path_factory.mktemp("passes") / build.library_name("avx2")
+    flags = ["-fopenmp", "-DTM_VALUES_PASS=4", "-O1"]  # -O1: compiles ~2x faster
+    return KernelLib(build._compile("avx2", out, build.compiler(), flags))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(("d", "hq", "hk"), [(64, 9, 3), (128, 8, 2), (192, 10, 2), (256, 4, 4),
+                                             (64, 8, 1)])
+def test_value_passes_give_the_same_bits(wide_value_passes, fmt, d, hq, hk):
+    """The integer value sums over a pass's accumulators (two a head on AVX2, four on AVX-512)
+    and heads (groups of 1-4 of GQA 1-5 and MQA): integers, so the pass widths give the same
+    bits; both against the plain path at each head size."""
+    from tokenmill.kernels import load_cpu_kernels
+    from tokenmill.layers.attention import PagedAttention
+    from tokenmill.layers.kv_cache import KVCache
+
+    torch.manual_seed(7)
+    blocks, block_size, seqs = 48, 16, 5
+    cache = KVCache(1, blocks, block_size, hk, d, fmt, torch.device("cpu"), stage_slots=blocks)
+    slots = torch.arange(blocks * block_size)
+    cache.store(0, torch.randn(len(slots), hk, d) * 2, torch.randn(len(slots), hk, d), slots,
+                slots)
+    tables = torch.stack([torch.randperm(blocks)[:40] for _ in range(seqs)])
+    lens = torch.tensor([1, 17, 300, 501, 640])
+    q = torch.randn(seqs, hq, d)
+    ctx = decode_context(cache, tables, lens)
+    attn = PagedAttention(hq, hk, d, 0)
+    narrow = load_cpu_kernels("avx2")
+    args = (q, cache, 0, tables, lens, ctx.decode_stages if cache.staged else None, None,
+            attn.scale)
+    out = narrow.decode_attention_quant(*args)
+    assert torch.equal(out, wide_value_passes.decode_attention_quant(*args))
+    attn.ops = ops.TorchOps()
+    out = attn._unrotate(out, cache)  # int4: the kernel's output is in V's rotated basis
+    close_integer(out, attn._decode(q, ctx))
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])
 @pytest.mark.parametrize(("computed", "new", "window"), [(0, 37, None), (150, 21, None),
                                                            (300, 64, 100), (5, 1, None)])

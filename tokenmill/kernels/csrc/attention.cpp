@@ -99,12 +99,7 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
       float* outs[6];
       int q = 0;
       auto flush = [&] {
-        if (q == 6) accumulate_queries<6>(sc, v + c * D, row, rows, D, outs);
-        else if (q == 5) accumulate_queries<5>(sc, v + c * D, row, rows, D, outs);
-        else if (q == 4) accumulate_queries<4>(sc, v + c * D, row, rows, D, outs);
-        else if (q == 3) accumulate_queries<3>(sc, v + c * D, row, rows, D, outs);
-        else if (q == 2) accumulate_queries<2>(sc, v + c * D, row, rows, D, outs);
-        else if (q == 1) accumulate_queries<1>(sc, v + c * D, row, rows, D, outs);
+        if (q) accumulate_n(sc, q, v + c * D, row, rows, D, outs);
         q = 0;
       };
       for (int64_t r = 0; r < nrows; ++r)

@@ -162,11 +162,46 @@ void accumulate_queries(const float* const* sc, const R* v, int64_t stride, int6
   if (i < D) accumulate_cols<1, Q, true>(sc, v, stride, rows, acc, i, D - i);
 }
 
-// acc += sum_j sc[j] * v[j] for `rows` value rows (stride `stride`); acc padded to whole vectors
+// n <= 6 queries of the same value rows (accumulate_queries)
 template <typename R>
-void accumulate_rows(const float* sc, const R* v, int64_t stride, int64_t rows, int64_t D,
-                     float* acc) {
-  accumulate_queries<1>(&sc, v, stride, rows, D, &acc);
+void accumulate_n(const float* const* sc, int n, const R* v, int64_t stride, int64_t rows,
+                  int64_t D, float* const* acc) {
+  switch (n) {
+    case 1: return accumulate_queries<1>(sc, v, stride, rows, D, acc);
+    case 2: return accumulate_queries<2>(sc, v, stride, rows, D, acc);
+    case 3: return accumulate_queries<3>(sc, v, stride, rows, D, acc);
+    case 4: return accumulate_queries<4>(sc, v, stride, rows, D, acc);
+    case 5: return accumulate_queries<5>(sc, v, stride, rows, D, acc);
+    default: return accumulate_queries<6>(sc, v, stride, rows, D, acc);
+  }
+}
+
+// Queries [g0, g1) of one KV head against the same key rows, eight at a time (score_queries):
+// query g's vector at qf + g * ldq, its scores at sc + g * lds
+template <typename K>
+void score_group(const float* qf, int64_t ldq, int64_t g0, int64_t g1, const K* k,
+                 int64_t stride, int64_t rows, int64_t D, float* sc, int64_t lds) {
+  const float* q8[8];
+  float* s8[8];
+  for (int64_t g = g0; g < g1; g += 8) {
+    const int n = static_cast<int>(std::min<int64_t>(8, g1 - g));
+    for (int i = 0; i < n; ++i) q8[i] = qf + (g + i) * ldq, s8[i] = sc + (g + i) * lds;
+    score_queries(q8, n, k, stride, rows, D, s8);
+  }
+}
+
+// Queries [g0, g1) of one KV head over the same value rows, six at a time (accumulate_n):
+// query g's weights at sc + g * lds, its accumulator at acc + g * ldq
+template <typename R>
+void accumulate_group(const float* sc, int64_t lds, int64_t g0, int64_t g1, const R* v,
+                      int64_t stride, int64_t rows, int64_t D, float* acc, int64_t ldq) {
+  const float* s6[6];
+  float* a6[6];
+  for (int64_t g = g0; g < g1; g += 6) {
+    const int n = static_cast<int>(std::min<int64_t>(6, g1 - g));
+    for (int i = 0; i < n; ++i) s6[i] = sc + (g + i) * lds, a6[i] = acc + (g + i) * ldq;
+    accumulate_n(s6, n, v, stride, rows, D, a6);
+  }
 }
 
 }  // namespace tm

@@ -5,13 +5,12 @@
 // cache row), else one KV head; when even those are fewer than 4 per thread, each sequence's
 // positions are split between tasks (partial softmax sums, combined at the end).
 //
-// int8 and int4 keys are scored with integer dot products: the query is rounded to int16 once
-// per task (2**14 levels: a score moves by ~1e-4 of |q| |k|), the codes are widened to int16
-// (int4: times each channel's step code), and the sums come back to float times the row's scale
-// (int8), or the block's step unit plus its q . minimum (int4). A query's own int4 block comes
-// from the stage, in float.
+// int8 and int4 keys are scored with integer dot products (scores_int.h), int8 and int4 values
+// summed with them on x86 (values_int.h); fp8, and head sizes those do not take, widen the rows
+// to float. A query's own int4 block comes from the stage, in float.
 #include "attention_common.h"
 #include "kv_pages.h"
+#include "scores_int.h"
 #include "tm.h"
 #include "values_int.h"
 #include "vec.h"
@@ -22,75 +21,6 @@ struct Part {  // one task's share: KV heads [h0, h0 + nh) of sequence b, positi
   int64_t b, h0, nh, p0, p1;
   int64_t own, stage;  // int4: the block index of the query's position and its stage slot
 };
-
-// q16 = round(q * A), A = kQueryMax / max |q|; returns 1 / A (0 for a zero query). 2**14
-// levels: an int4 product (code x step code < 2**12) times it summed over the head_dim / kLanes
-// products of a lane stays in int32 up to head_dim 256.
-constexpr float kQueryMax = 16383.f;
-
-inline float quantize_query(const float* q, int64_t D, int16_t* q16) {
-  vec mx = vzero();
-  for (int64_t i = 0; i < D; i += kLanes) mx = vmax(mx, vmax(vload(q + i), vsub(vzero(), vload(q + i))));
-  const float top = vhmax(mx);
-  if (!(top > 0.f)) {
-    std::fill(q16, q16 + D, int16_t{0});
-    return 0.f;
-  }
-  const vec a = vset1(kQueryMax / top);
-  for (int64_t i = 0; i < D; i += kLanes) vstore_i16(q16 + i, vmul(vload(q + i), a));
-  return top / kQueryMax;
-}
-
-// `rows` rows of K codes of KV head h from `slot` -> int16 (rows x D): int8 as they are, int4
-// times each channel's step code sc
-template <int F>
-void widen_codes(const QuantPages& K, int64_t slot, int64_t rows, int64_t h, const int16_t* sc,
-                 int16_t* dst) {
-  const int64_t D = K.D;
-  static_assert(sizeof(i16x) == 2 * kLanes * sizeof(int16_t), "i16x holds 2 x kLanes int16");
-  auto put = [](int16_t* at, i16x v) { std::memcpy(at, &v, sizeof(v)); };
-  for (int64_t j = 0; j < rows; ++j, dst += D) {
-    const uint8_t* c = K.codes_at((slot + j) * K.Hk + h);
-    if constexpr (F == TM_KV_INT4) {
-      for (int64_t i = 0; i < D / 2; i += 2 * kLanes) {
-        i16x lo, hi;
-        vcodes_4(c + i, lo, hi);
-        put(dst + i, vmul16(lo, vload_i16(sc + i)));
-        put(dst + D / 2 + i, vmul16(hi, vload_i16(sc + D / 2 + i)));
-      }
-    } else {
-      for (int64_t i = 0; i < D; i += 2 * kLanes) put(dst + i, vcodes_i8(reinterpret_cast<const int8_t*>(c + i)));
-    }
-  }
-}
-
-// sums[j] = q16 . codes[j] for `rows` rows of D int16, eight at a time
-inline void score_i16(const int16_t* q16, const int16_t* codes, int64_t rows, int64_t D,
-                      float* sums) {
-  int64_t j = 0;
-  for (; j + 8 <= rows; j += 8) {
-    ivec a[8];
-    for (int r = 0; r < 8; ++r) a[r] = izero();
-    for (int64_t i = 0; i < D; i += 2 * kLanes) {
-      const i16x qv = vload_i16(q16 + i);
-      for (int r = 0; r < 8; ++r) a[r] = vdot16(a[r], vload_i16(codes + (j + r) * D + i), qv);
-    }
-    vec f[8];
-    for (int r = 0; r < 8; ++r) f[r] = vcvt_i32(a[r]);
-    vsum8(f, sums + j);
-  }
-  for (; j < rows; ++j) {
-    ivec a = izero();
-    for (int64_t i = 0; i < D; i += 2 * kLanes) a = vdot16(a, vload_i16(codes + j * D + i), vload_i16(q16 + i));
-    sums[j] = vsum(vcvt_i32(a));
-  }
-}
-
-// Whether a head_dim takes the integer path (whole int16 vectors of codes per row)
-template <int F>
-bool integer_keys(int64_t D) {
-  return (F == TM_KV_INT4 && D % (4 * kLanes) == 0) || (F == TM_KV_INT8 && D % (2 * kLanes) == 0);
-}
 
 // Unnormalized attention of the task's query heads (group per KV head, qf pre-scaled) over its
 // positions: m[g] the largest score, l[g] the sum of exp(score - m), acc[g] the weighted values.
@@ -115,7 +45,7 @@ void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, cons
       fn(p, rows, slot(p));
     }
   };
-  float lo[256], st[256], sums[kRows], rs[kRows], bias[1], mu = 0.f, su = 0.f;
+  float lo[256], st[256], sums[8 * kRows], rs[kRows], bias[8], mu = 0.f, su = 0.f;
   alignas(64) int16_t codes[kRows * 256], mc[256], sc[256];
   const bool ints = integer_keys<F>(D);
   std::vector<int16_t> q16;  // the integer path: each query head's int16 query
@@ -130,27 +60,41 @@ void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, cons
       const int64_t h = t.h0 + hh;
       if constexpr (F == TM_KV_INT4 || F == TM_KV_INT8) {
         if (ints && (F == TM_KV_INT8 || p / BS != t.own)) {
-          if constexpr (F == TM_KV_INT4) K.block_codes(s0 / BS, h, mc, sc, &mu, &su);
-          widen_codes<F>(K, s0, rows, h, sc, codes);
+          if constexpr (F == TM_KV_INT4) {
+            K.block_codes(s0 / BS, h, mc, sc, &mu, &su);
+            widen_k4(K, s0, rows, h, sc, codes);
+          }
           if constexpr (F == TM_KV_INT8)  // each row's scale
             for (int64_t j = 0; j < rows; ++j) rs[j] = vhalf(K.scale[(s0 + j) * K.Hk + h]);
-          for (int64_t g = hh * group; g < (hh + 1) * group; ++g) {
-            const int16_t* qg = q16.data() + g * D;
-            score_i16(qg, codes, rows, D, sums);
-            vec mul = vset1(unit[g]), add = vzero();
-            if constexpr (F == TM_KV_INT4) {  // (su q . (code sc) + mu q . mc) / A
-              score_i16(qg, mc, 1, D, bias);
-              mul = vset1(su * unit[g]), add = vset1(bias[0] * mu * unit[g]);
+          for (int64_t g0 = hh * group; g0 < (hh + 1) * group; g0 += 8) {
+            const int nb = static_cast<int>(std::min<int64_t>(8, (hh + 1) * group - g0));
+            const int16_t* q8[8];
+            float *s8[8], *b8[8];
+            for (int i = 0; i < nb; ++i)
+              q8[i] = q16.data() + (g0 + i) * D, s8[i] = sums + i * kRows, b8[i] = bias + i;
+            if constexpr (F == TM_KV_INT4) {
+              score_i16(q8, nb, Int16Rows{codes, D}, rows, D, s8);
+              score_i16(q8, nb, Int16Rows{mc, D}, 1, D, b8);
+            } else {  // int8: the codes as they are in the cache
+              const auto* c = reinterpret_cast<const int8_t*>(K.codes_at(s0 * K.Hk + h));
+              score_i16(q8, nb, Int8Rows{c, K.Hk * D}, rows, D, s8);
             }
-            float* out = scores + g * n + at;
-            int64_t j = 0;
-            for (; j + kLanes <= rows; j += kLanes) {
-              vec x = vfma(vload(sums + j), mul, add);
-              vstore(out + j, F == TM_KV_INT8 ? vmul(x, vload(rs + j)) : x);
-            }
-            for (; j < rows; ++j) {
-              const float x = F == TM_KV_INT4 ? (sums[j] * su + bias[0] * mu) * unit[g] : sums[j] * unit[g];
-              out[j] = F == TM_KV_INT8 ? x * rs[j] : x;
+            for (int i = 0; i < nb; ++i) {
+              const int64_t g = g0 + i;
+              const float* sg = s8[i];
+              vec mul = vset1(unit[g]), add = vzero();
+              if constexpr (F == TM_KV_INT4)  // (su q . (code sc) + mu q . mc) / A
+                mul = vset1(su * unit[g]), add = vset1(bias[i] * mu * unit[g]);
+              float* out = scores + g * n + at;
+              int64_t j = 0;
+              for (; j + kLanes <= rows; j += kLanes) {
+                vec x = vfma(vload(sg + j), mul, add);
+                vstore(out + j, F == TM_KV_INT8 ? vmul(x, vload(rs + j)) : x);
+              }
+              for (; j < rows; ++j) {
+                const float x = F == TM_KV_INT4 ? (sg[j] * su + bias[i] * mu) * unit[g] : sg[j] * unit[g];
+                out[j] = F == TM_KV_INT8 ? x * rs[j] : x;
+              }
             }
           }
           continue;
@@ -166,8 +110,7 @@ void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, cons
       } else {
         for (int64_t j = 0; j < rows; ++j) K.row<F>(s0 + j, h, buf + j * Dp);
       }
-      for (int64_t g = hh * group; g < (hh + 1) * group; ++g)
-        score(qf + g * Dp, buf, Dp, rows, D, scores + g * n + at);
+      score_group(qf, Dp, hh * group, (hh + 1) * group, buf, Dp, rows, D, scores + at, n);
     }
   });
   for (int64_t g = 0; g < nq; ++g) l[g] = exp_shifted(scores + g * n, n, m + g);  // unnormalized
@@ -191,8 +134,7 @@ void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, cons
     const int64_t at = p - t.p0;
     for (int64_t hh = 0; hh < t.nh; ++hh) {
       for (int64_t j = 0; j < rows; ++j) V.row<FV>(s0 + j, t.h0 + hh, buf + j * Dp);
-      for (int64_t g = hh * group; g < (hh + 1) * group; ++g)
-        accumulate_rows(scores + g * n + at, buf, Dp, rows, D, acc + g * Dp);
+      accumulate_group(scores + at, n, hh * group, (hh + 1) * group, buf, Dp, rows, D, acc, Dp);
     }
   });
 }

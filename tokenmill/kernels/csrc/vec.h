@@ -15,6 +15,8 @@
 //   vcodes_u8 vmul16            uint8); lane products (that fit int16);
 //   vmul16 vdot16 vcvt_i32      acc += a . b (lanes hold partial sums); to float32;
 //   vstore_i16                  kLanes floats rounded and saturated to int16
+//   vpairs vbcast_pair          x86 only: two vectors' int16 interleaved in pairs (within
+//                               128-bit lanes); one int16 pair in every pair (values_int.h)
 //   prefetch_l1 prefetch_l2     software prefetch (none in the portable build)
 #pragma once
 

@@ -125,6 +125,14 @@ inline i16x vcodes_u8(const uint8_t* p) {
 inline i16x vmul16(i16x a, i16x b) { return _mm256_mullo_epi16(a, b); }  // low 16 bits
 inline ivec vdot16(ivec acc, i16x a, i16x b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 inline vec vcvt_i32(ivec a) { return _mm256_cvtepi32_ps(a); }
+inline void vpairs(i16x a, i16x b, i16x& lo, i16x& hi) {  // (a, b) pairs, within 128-bit lanes
+  lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+}
+inline i16x vbcast_pair(const int16_t* p) {  // (p[0], p[1]) in every pair
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
 inline void vstore_i16(int16_t* p, vec v) {  // rounded to nearest, saturated
   __m256i i = _mm256_cvtps_epi32(v);
   __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(i), _mm256_extracti128_si256(i, 1));

@@ -140,6 +140,14 @@ inline ivec vdot16(ivec acc, i16x a, i16x b) {
 #endif
 }
 inline vec vcvt_i32(ivec a) { return _mm512_cvtepi32_ps(a); }
+inline void vpairs(i16x a, i16x b, i16x& lo, i16x& hi) {  // (a, b) pairs, within 128-bit lanes
+  lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+}
+inline i16x vbcast_pair(const int16_t* p) {  // (p[0], p[1]) in every pair
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
 inline void vstore_i16(int16_t* p, vec v) {  // rounded to nearest, saturated
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(v)));
 }
