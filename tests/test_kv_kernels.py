@@ -100,6 +100,24 @@ def test_decode_attention_on_quantized_pages(kops, fmt, window, threads, seqs):
     close_integer(fast, attn._decode(q, ctx))
 
 
+def test_every_fp8_code_is_read_exactly(kops):
+    """Every e4m3 code but NaN (zeros, subnormals, both signs) as the decode kernel reads it:
+    one cached token, so each head's output is that token's value row, bit for bit torch's
+    float8 times the row's scale."""
+    from tokenmill.layers.kv_cache import KVCache
+
+    cache = KVCache(1, 1, 16, 4, 64, "fp8_e4m3", torch.device("cpu"))
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # e4m3's two NaNs
+    cache.v[0][0, 0, 0] = codes.view(4, 64).view(torch.float8_e4m3fn)
+    cache.v[1][0, 0, 0] = torch.tensor([[1.0], [0.5], [3.0], [1 / 7]]).half()
+    q = torch.randn(1, 8, 64)
+    out = kops.lib.decode_attention_quant(q, cache, 0, torch.zeros(1, 1, dtype=torch.long),
+                                          torch.tensor([1]), None, None, 0.125)
+    rows = cache.v[0][0, 0, 0].float() * cache.v[1][0, 0, 0].float()
+    assert torch.equal(out[0], rows.repeat_interleave(2, 0))
+
+
 @pytest.fixture(scope="module")
 def wide_value_passes(tmp_path_factory):
     """The AVX2 build with the value passes AVX-512 takes (four accumulators a head: values_int.h),

@@ -56,7 +56,7 @@ void weights_i16(const float* w, int64_t ldw, int64_t rows, const float* rs,
 // w16[g][j] code_j, for G heads, rows (<= kRows) at cache slots s0 + j of KV head h. P = 4:
 // int8 two chunks of codes, int4 one chunk (its low and high nibbles); P = 2: one chunk, int4
 // half of one
-template <int P, int G, bool kInt4>
+template <int P, int G, bool kInt4, bool kHigh = false>  // kHigh: P = 2, int4's high nibbles
 void values_pass(const QuantPages& V, int64_t s0, int64_t rows, int64_t h,
                  const int16_t (*w16)[kRows], const float* unit, int64_t v0, int64_t NV,
                  float* acc) {
@@ -66,7 +66,6 @@ void values_pass(const QuantPages& V, int64_t s0, int64_t rows, int64_t h,
     for (int v = 0; v < P; ++v) sum[g][v] = izero();
   const int64_t stride = V.Hk * V.code_bytes();  // from one cache row to the next
   const uint8_t* first = V.codes_at(s0 * V.Hk + h) + (kInt4 ? v0 / 4 : v0 / 2) * 2 * kLanes;
-  const bool high = kInt4 && v0 % 4;  // P = 2, int4: the chunk's high nibbles
   auto pair = [&](int64_t j, const uint8_t* r0, const uint8_t* r1) {  // rows j, j + 1
     i16x x[P];
     if constexpr (kInt4) {
@@ -74,7 +73,7 @@ void values_pass(const QuantPages& V, int64_t s0, int64_t rows, int64_t h,
       vcodes_4(r0, alo, ahi);
       vcodes_4(r1, blo, bhi);
       if constexpr (P == 2) {
-        if (high) vpairs(ahi, bhi, x[0], x[1]);
+        if constexpr (kHigh) vpairs(ahi, bhi, x[0], x[1]);
         else vpairs(alo, blo, x[0], x[1]);
       } else {
         vpairs(alo, blo, x[0], x[1]);
@@ -126,8 +125,11 @@ void values_heads(const QuantPages& V, int64_t s0, int64_t rows, int64_t h, cons
   float unit[G];
   weights_i16<G>(w, ldw, rows, rs, w16, unit, kInt4 ? wsum : nullptr);
   const int64_t NV = V.D / kLanes;
-  for (int64_t v0 = 0; v0 < NV; v0 += kPassVecs)
+  for (int64_t v0 = 0; v0 < NV; v0 += 4) {  // a chunk of int4 codes: low, then high nibbles
     values_pass<kPassVecs, G, kInt4>(V, s0, rows, h, w16, unit, v0, NV, acc);
+    if constexpr (kPassVecs == 2)
+      values_pass<2, G, kInt4, kInt4>(V, s0, rows, h, w16, unit, v0 + 2, NV, acc);
+  }
 }
 
 // The rows' weighted codes for `group` heads (w: softmax weights, head g's row at w + g * ldw)
