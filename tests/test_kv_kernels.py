@@ -165,6 +165,34 @@ def test_value_passes_give_the_same_bits(wide_value_passes, fmt, d, hq, hk):
     close_integer(out, attn._decode(q, ctx))
 
 
+def integer_prefill(kops, fmt, d):
+    """Whether the prefill tile on these pages takes integer dot products
+    (attention_prefill_int.h: AVX2, int8 / int4, head sizes that are multiples of 64)."""
+    return kops.lib.isa == "avx2" and fmt in ("int8", "int4") and d % 64 == 0 and d <= 256
+
+
+def check_prefill(kops, fmt, computed, new, window, dtype, hq=6, hk=2, d=64, k_scale=2.0,
+                  history=None):
+    from tokenmill.layers.attention import AttentionContext, PagedAttention, PrefillChunk
+
+    cache, table, slots, k, v = history or paged_history(computed + new, 16, hk, d, fmt,
+                                                         k_scale=k_scale)
+    q = torch.randn(new, hq, d).to(dtype)
+    stages = table if cache.staged else None  # paged_history: stage slot i is block i's
+    ctx = AttentionContext(cache, slots[computed:], 0,
+                           prefills=[PrefillChunk(0, new, computed, table, stages)])
+    attn = PagedAttention(hq, hk, d, 0, sliding_window=window)
+    attn.ops = kops
+    fast = attn._prefill(q, k[computed:], v[computed:], ctx.prefills[0], ctx)
+    attn.ops = ops.TorchOps()
+    ref = attn._prefill(q, k[computed:], v[computed:], ctx.prefills[0], ctx)
+    if integer_prefill(kops, fmt, d) and dtype == torch.float32:
+        close_integer(fast, ref)
+    else:
+        close(fast, ref, dtype)
+    return fast
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])
 @pytest.mark.parametrize(("computed", "new", "window"), [(0, 37, None), (150, 21, None),
                                                            (300, 64, 100), (5, 1, None)])
@@ -174,21 +202,77 @@ def test_prefill_attention_on_quantized_pages(kops, fmt, computed, new, window, 
     """A prefill chunk against its quantized history (prefix-cache hits, chunked prefill), read
     a key tile at a time, against the plain path: gather, dequantize, SDPA (through the layer,
     so int4's stage reads and the output's rotation are included); a bf16 model's keys in
-    bf16."""
+    bf16. int8 / int4 on AVX2 take integer dot products: INTEGER_TOL in float32."""
+    torch.manual_seed(8)
+    check_prefill(kops, fmt, computed, new, window, dtype)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(("hq", "hk", "d"), [(4, 1, 128), (2, 2, 256), (10, 2, 192)])
+def test_prefill_integer_tile_head_sizes(kops, fmt, hq, hk, d):
+    """Head sizes past 64 (two, four and three vectors of value pairs a pass; MQA, MHA, GQA 5)
+    against the plain path."""
+    torch.manual_seed(9)
+    check_prefill(kops, fmt, 100, 40, None, torch.float32, hq, hk, d)
+
+
+def test_int4_prefill_scores_do_not_overflow(kops):
+    """The int4 keys at their extremes (every channel of a block spanning the same wide range,
+    so step codes of 255, codes of 15) against a query aligned with them, at head size 256: the
+    pair sums reach ~1.6e10, past int32, unless the tile moves them to float often enough."""
     from tokenmill.layers.attention import AttentionContext, PagedAttention, PrefillChunk
 
-    torch.manual_seed(8)
-    hq, hk, d = 6, 2, 64
-    cache, table, slots, k, v = paged_history(computed + new, 16, hk, d, fmt, k_scale=2.0)
-    q = torch.randn(new, hq, d).to(dtype)
-    stages = table if cache.staged else None  # paged_history: stage slot i is block i's
-    ctx = AttentionContext(cache, slots[computed:], 0,
-                           prefills=[PrefillChunk(0, new, computed, table, stages)])
-    attn = PagedAttention(hq, hk, d, 0, sliding_window=window)
+    torch.manual_seed(10)
+    d, n = 256, 64
+    cache, table, slots, k, v = paged_history(n, 16, 1, d, "int4")
+    keys = torch.zeros(n, 1, d)
+    keys[1::2] = 3.0  # every other row at the maximum (codes 15), the rest mid-range
+    keys[::16] = -3.0  # each block's first row at the minimum
+    cache.store(0, keys, v, slots, slots)
+    q = torch.ones(8, 2, d) * 4  # scores 3 x 4 x 256 / 16 at the maximum rows, 0 mid-range
+    chunk = PrefillChunk(0, 8, n - 8, table, table)
+    ctx = AttentionContext(cache, slots[n - 8:], 0, prefills=[chunk])
+    attn = PagedAttention(2, 1, d, 0)
     attn.ops = kops
-    fast = attn._prefill(q, k[computed:], v[computed:], ctx.prefills[0], ctx)
+    fast = attn._prefill(q, keys[n - 8:], v[n - 8:], chunk, ctx)
     attn.ops = ops.TorchOps()
-    close(fast, attn._prefill(q, k[computed:], v[computed:], ctx.prefills[0], ctx), dtype)
+    close_integer(fast, attn._prefill(q, keys[n - 8:], v[n - 8:], chunk, ctx))
+
+
+@pytest.fixture(scope="module")
+def intrinsics_tile(tmp_path_factory):
+    """The AVX2 build without the assembly pair loops (attention_int_asm.h): the intrinsics
+    the loops replace."""
+    from tokenmill.kernels import build
+    from tokenmill.kernels.isa import supported_isas
+    from tokenmill.kernels.lib import KernelLib
+
+    if build.machine_arch() != "x86_64" or "avx2" not in supported_isas():
+        pytest.skip("needs an x86-64 CPU with AVX2")
+    out = tmp_path_factory.mktemp("intrinsics") / build.library_name("avx2")
+    flags = ["-fopenmp", "-DTM_NO_INT_ASM", "-O1"]  # -O1: compiles ~2x faster
+    return KernelLib(build._compile("avx2", out, build.compiler(), flags))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+@pytest.mark.parametrize(("computed", "new", "hq", "hk", "d"),
+                         [(300, 45, 9, 3, 64), (70, 33, 4, 1, 128), (20, 7, 2, 2, 256)])
+def test_prefill_assembly_loops_give_the_same_bits(intrinsics_tile, fmt, computed, new, hq, hk,
+                                                   d):
+    """The AVX2 assembly pair loops of the integer prefill tile against the intrinsics (integer
+    sums: the same bits), and both against the plain path."""
+    from tokenmill.kernels import load_cpu_kernels
+    from tokenmill.layers.kernel_ops import KernelOps
+
+    torch.manual_seed(11)
+    history = paged_history(computed + new, 16, hk, d, fmt, k_scale=2.0)
+    asm = KernelOps(load_cpu_kernels("avx2"))
+    state = torch.get_rng_state()
+    a = check_prefill(asm, fmt, computed, new, None, torch.float32, hq, hk, d, history=history)
+    torch.set_rng_state(state)
+    b = check_prefill(KernelOps(intrinsics_tile), fmt, computed, new, None, torch.float32, hq,
+                      hk, d, history=history)
+    assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8_e4m3", "int4"])

@@ -7,6 +7,7 @@
 // block and quantized for the queries after it.
 #include <type_traits>
 
+#include "attention_prefill_int.h"
 #include "attention_tiles.h"
 #include "kv_pages.h"
 #include "tm.h"
@@ -19,6 +20,9 @@ constexpr int64_t kQueryTile = 32;  // query positions per task (x the GQA group
 struct PrefillScratch {
   std::vector<float> q, kt, v, s, m, l, o;
   std::vector<uint32_t> qp, kp, vp, pp;  // bf16 pairs (the dot-product path)
+#ifdef TM_PREFILL_INT
+  IntTile it;  // int8 / int4 pages
+#endif
 };
 
 // The AMX tile path (attention_amx.h); TM_AMX_EMULATED turns it on in a build whose tile
@@ -109,6 +113,15 @@ struct PrefillTask {
     }
   }
 
+  // int8 / int4 pages whose tiles take integer dot products (attention_prefill_int.h)
+  bool int_pages() const {
+#ifdef TM_PREFILL_INT
+    return kq && (kq->fmt == TM_KV_INT8 || kq->fmt == TM_KV_INT4) && D % 64 == 0 && D <= 256;
+#else
+    return false;
+#endif
+  }
+
   // query tile [i0, i0 + rows) x the `group` query heads of KV head h
   void run(int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc) const {
 #ifdef TM_AMX_ATTENTION
@@ -116,24 +129,32 @@ struct PrefillTask {
       if (!kq && D % 32 == 0) return amx_prefill_tile(*this, h, i0, rows, sc);
 #endif
     const int64_t group = Hq / Hk, R = rows * group, Dp = this->Dp();
+    const bool ints = int_pages();
     sc.kt.resize(D * kKeys), sc.kp.resize(D / 2 * kKeys), sc.v.resize(kKeys * Dp);
-    sc.vp.resize(kKeys / 2 * Dp), sc.pp.resize(kRows * kKeys / 2);
+    sc.vp.resize(kKeys / 2 * Dp), sc.pp.resize(kTileRows * kKeys / 2);
     sc.s.resize(R * kKeys), sc.m.assign(R, -INFINITY), sc.l.assign(R * kLanes, 0.f);
     sc.o.assign(R * Dp, 0.f), sc.q.resize(R * D), sc.qp.resize(R * D / 2);
     for (int64_t r = 0; r < R; ++r) {  // row r: position i0 + r / group, head h * group + r % group
       const T* src = q + ((i0 + r / group) * Hq + h * group + r % group) * D;
       if constexpr (kDot) std::memcpy(sc.qp.data() + r * D / 2, src, D * sizeof(T));
-      else for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = to_f(src[d]);
+      if (!kDot || ints)
+        for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = to_f(src[d]);
     }
-    std::vector<float> corr(kRows);
+#ifdef TM_PREFILL_INT
+    if (ints) sc.it.set_queries(sc.q.data(), R, D, kq->fmt == TM_KV_INT4);
+#endif
+    std::vector<float> corr(kTileRows);
     int64_t first = computed + i0, last = computed + i0 + rows - 1;  // query positions
     int64_t p = window > 0 ? std::max<int64_t>(0, first - window + 1) : 0;
-    // rows [r0, r1) against the loaded key tile [p, p + n)
-    auto attend_rows = [&](int64_t p, int64_t n, int64_t r0, int64_t r1) {
-      for (; r0 < r1; r0 += kRows) {
-        int64_t rb = std::min<int64_t>(kRows, r1 - r0);
+    // rows [r0, r1) against the loaded key tile [p, p + n); int_keys: its integer keys
+    auto attend_rows = [&](int64_t p, int64_t n, int64_t r0, int64_t r1, bool int_keys) {
+      for (; r0 < r1; r0 += kTileRows) {
+        int64_t rb = std::min<int64_t>(kTileRows, r1 - r0);
         float* s = sc.s.data() + r0 * kKeys;
-        for_rows<kRows>(rb, [&](auto c) {
+        for_rows<kTileRows>(rb, [&](auto c) {
+#ifdef TM_PREFILL_INT
+          if (int_keys) return sc.it.template scores<c>(r0, scale, s);
+#endif
           if constexpr (kDot) {
 #ifdef TM_ISA_AVX512_BF16
             scores_dot<c>(sc.qp.data() + r0 * D / 2, D / 2, sc.kp.data(), D / 2, scale, s);
@@ -147,6 +168,9 @@ struct PrefillTask {
         for (int64_t i = 0; i < rb; i += kValueRows)
           for_rows<kValueRows>(std::min<int64_t>(kValueRows, rb - i), [&](auto c) {
             float* o = sc.o.data() + (r0 + i) * Dp;
+#ifdef TM_PREFILL_INT
+            if (ints) return sc.it.template values<c>(s + i * kKeys, corr.data() + i, n, o, Dp);
+#endif
             if constexpr (kDot) {
 #ifdef TM_ISA_AVX512_BF16
               if (!kq) return values_dot<c>(s + i * kKeys, corr.data() + i, sc.vp.data(), n, Dp,
@@ -164,61 +188,45 @@ struct PrefillTask {
       const int64_t r0 = std::max<int64_t>(0, p - first) * group;
       // int4: rows in the tile's block read it from the stage, later rows quantized
       const int64_t split = staged ? std::clamp<int64_t>(((p / BS + 1) * BS - first) * group, r0, R) : r0;
+#ifdef TM_PREFILL_INT
+      if (ints) sc.it.load(*kq, *vq, table[p / BS] * BS + p % BS, n, h, split, R);
+#endif
       if (split > r0) {
         load_keys(h, p, n, sc, true);
-        attend_rows(p, n, r0, split);
+        attend_rows(p, n, r0, split, false);
       }
       if (R > split) {
-        load_keys(h, p, n, sc);
-        attend_rows(p, n, split, R);
+        if (!ints) load_keys(h, p, n, sc);
+        attend_rows(p, n, split, R, ints);
       }
     }
-    write_rows(h, i0, R, Dp, sc);
+    write_rows(h, i0, R, Dp, sc, ints);
   }
 
-  // rows [0, R) of the tile's outputs (sc.o, rows ld apart) divided by their sums, to out
-  void write_rows(int64_t h, int64_t i0, int64_t R, int64_t ld, const PrefillScratch& sc) const {
+  // rows [0, R) of the tile's outputs (sc.o, rows ld apart; permuted: the integer path's
+  // channel order) divided by their sums, to out
+  void write_rows(int64_t h, int64_t i0, int64_t R, int64_t ld, const PrefillScratch& sc,
+                  bool permuted = false) const {
     const int64_t group = Hq / Hk;
     for (int64_t r = 0; r < R; ++r) {
       T* dst = out + ((i0 + r / group) * Hq + h * group + r % group) * D;
       float inv = 1.f / vsum(vload(sc.l.data() + r * kLanes));
-      for (int64_t d = 0; d < D; ++d) dst[d] = from_f<T>(sc.o[r * ld + d] * inv);
+      for (int64_t d = 0; d < D; ++d) {
+#ifdef TM_PREFILL_INT
+        if (permuted) {
+          dst[channel_of(kq->fmt == TM_KV_INT4, d / kLanes, d % kLanes, D)] = from_f<T>(sc.o[r * ld + d] * inv);
+          continue;
+        }
+#endif
+        dst[d] = from_f<T>(sc.o[r * ld + d] * inv);
+      }
     }
   }
 
-  // Row r's scores sr[0:kKeys] against keys [p, p + n) masked (causal, window) and turned into
-  // exp(s - running max); updates the running max and sum; returns the factor that rescales
-  // its output so far (0 probabilities and factor 1 when the tile is masked for this row).
+  // row r's online softmax step (online_softmax, attention_tiles.h)
   float softmax_step(float* sr, int64_t r, int64_t qpos, int64_t p, int64_t n,
                      PrefillScratch& sc) const {
-    // the tile's keys this row sees, [lo, hi): causal, inside the window, inside the tile
-    const int64_t hi = std::min<int64_t>(n, qpos - p + 1);
-    const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1 - p) : 0;
-    if (hi <= lo) {
-      std::fill(sr, sr + kKeys, 0.f);
-      return 1.f;
-    }
-    std::fill(sr, sr + lo, -INFINITY);  // only tiles on the diagonal or the window's edge
-    std::fill(sr + hi, sr + kKeys, -INFINITY);
-    vec mv = vload(sr);
-    for (int u = 1; u < kKeyVecs; ++u) mv = vmax(mv, vload(sr + u * kLanes));
-    const float m_old = sc.m[r];
-    // the running max settles early: most tiles raise no lane above it, rescale nothing and
-    // need no horizontal max
-    const vec mo = vset1(m_old);
-    const bool raised = vmask_eq(vmax(mv, mo), mo) != (1 << kLanes) - 1;
-    const float m_new = raised ? std::max(m_old, vhmax(mv)) : m_old;
-    const float corr = raised ? std::exp(m_old - m_new) : 1.f;
-    float* l = sc.l.data() + r * kLanes;  // the row's sum, lane by lane
-    vec sum = vmul(vload(l), vset1(corr));
-    for (int u = 0; u < kKeyVecs; ++u) {
-      vec e = vexp(vsub(vload(sr + u * kLanes), vset1(m_new)));
-      vstore(sr + u * kLanes, e);
-      sum = vadd(sum, e);
-    }
-    vstore(l, sum);
-    sc.m[r] = m_new;
-    return corr;
+    return online_softmax(sr, qpos, p, n, window, sc.m[r], sc.l.data() + r * kLanes);
   }
 };
 

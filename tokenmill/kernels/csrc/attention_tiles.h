@@ -4,6 +4,8 @@
 // pairs where the CPU has AVX512-BF16.
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <type_traits>
 
 #include "tm.h"
@@ -13,8 +15,43 @@ namespace tm {
 
 constexpr int64_t kKeys = 16;       // keys per step (fewer at a cache block's end)
 constexpr int kKeyVecs = kKeys / kLanes;
-constexpr int kRows = kKeyVecs == 1 ? 8 : 4;  // rows scored (and summed) together
+constexpr int kTileRows = kKeyVecs == 1 ? 8 : 4;  // rows scored (and summed) together
 static_assert(kKeys % kLanes == 0, "a key tile is whole vectors");
+
+// A row's scores sr[0:kKeys] against keys [p, p + n) masked (causal at query position qpos,
+// window) and turned into exp(s - running max m); updates m and the row's lane sums l[0:kLanes];
+// returns the factor that rescales its output so far (0 probabilities and factor 1 when the
+// tile is masked for this row).
+inline float online_softmax(float* sr, int64_t qpos, int64_t p, int64_t n, int64_t window,
+                            float& m, float* l) {
+  // the tile's keys this row sees, [lo, hi): causal, inside the window, inside the tile
+  const int64_t hi = std::min<int64_t>(n, qpos - p + 1);
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, qpos - window + 1 - p) : 0;
+  if (hi <= lo) {
+    std::fill(sr, sr + kKeys, 0.f);
+    return 1.f;
+  }
+  std::fill(sr, sr + lo, -INFINITY);  // only tiles on the diagonal or the window's edge
+  std::fill(sr + hi, sr + kKeys, -INFINITY);
+  vec mv = vload(sr);
+  for (int u = 1; u < kKeyVecs; ++u) mv = vmax(mv, vload(sr + u * kLanes));
+  const float m_old = m;
+  // the running max settles early: most tiles raise no lane above it, rescale nothing and need
+  // no horizontal max
+  const vec mo = vset1(m_old);
+  const bool raised = vmask_eq(vmax(mv, mo), mo) != (1 << kLanes) - 1;
+  const float m_new = raised ? std::max(m_old, vhmax(mv)) : m_old;
+  const float corr = raised ? std::exp(m_old - m_new) : 1.f;
+  vec sum = vmul(vload(l), vset1(corr));
+  for (int u = 0; u < kKeyVecs; ++u) {
+    vec e = vexp(vsub(vload(sr + u * kLanes), vset1(m_new)));
+    vstore(sr + u * kLanes, e);
+    sum = vadd(sum, e);
+  }
+  vstore(l, sum);
+  m = m_new;
+  return corr;
+}
 
 // s[i][0:kKeys] = scale * q_i . k_j for R rows (q rows `ld` apart) against the transposed key
 // tile kt[d][j]: per d, one key vector load shared by the R rows' broadcasts.

@@ -125,6 +125,7 @@ inline i16x vcodes_u8(const uint8_t* p) {
   return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 inline i16x vmul16(i16x a, i16x b) { return _mm256_mullo_epi16(a, b); }  // low 16 bits
+inline i16x vodd16(i16x a) { return _mm256_sub_epi16(_mm256_add_epi16(a, a), _mm256_set1_epi16(15)); }  // 2a - 15
 inline ivec vdot16(ivec acc, i16x a, i16x b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 inline vec vcvt_i32(ivec a) { return _mm256_cvtepi32_ps(a); }
 inline void vpairs(i16x a, i16x b, i16x& lo, i16x& hi) {  // (a, b) pairs, within 128-bit lanes

@@ -132,6 +132,7 @@ inline i16x vcodes_u8(const uint8_t* p) {
   return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 inline i16x vmul16(i16x a, i16x b) { return _mm512_mullo_epi16(a, b); }  // low 16 bits
+inline i16x vodd16(i16x a) { return _mm512_sub_epi16(_mm512_add_epi16(a, a), _mm512_set1_epi16(15)); }  // 2a - 15
 inline ivec vdot16(ivec acc, i16x a, i16x b) {
 #ifdef TM_ISA_AVX512_BF16  // that build has AVX512-VNNI too
   return _mm512_dpwssd_epi32(acc, a, b);
