@@ -172,11 +172,11 @@ def integer_prefill(kops, fmt, d):
 
 
 def check_prefill(kops, fmt, computed, new, window, dtype, hq=6, hk=2, d=64, k_scale=2.0,
-                  history=None):
+                  history=None, block_size=16):
     from tokenmill.layers.attention import AttentionContext, PagedAttention, PrefillChunk
 
-    cache, table, slots, k, v = history or paged_history(computed + new, 16, hk, d, fmt,
-                                                         k_scale=k_scale)
+    cache, table, slots, k, v = history or paged_history(computed + new, block_size, hk, d,
+                                                         fmt, k_scale=k_scale)
     q = torch.randn(new, hq, d).to(dtype)
     stages = table if cache.staged else None  # paged_history: stage slot i is block i's
     ctx = AttentionContext(cache, slots[computed:], 0,
@@ -208,12 +208,13 @@ def test_prefill_attention_on_quantized_pages(kops, fmt, computed, new, window, 
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-@pytest.mark.parametrize(("hq", "hk", "d"), [(4, 1, 128), (2, 2, 256), (10, 2, 192)])
-def test_prefill_integer_tile_head_sizes(kops, fmt, hq, hk, d):
-    """Head sizes past 64 (two, four and three vectors of value pairs a pass; MQA, MHA, GQA 5)
-    against the plain path."""
+@pytest.mark.parametrize(("hq", "hk", "d", "block_size"),
+                         [(4, 1, 128, 16), (2, 2, 256, 16), (10, 2, 192, 16), (6, 2, 64, 32)])
+def test_prefill_integer_tile_head_sizes(kops, fmt, hq, hk, d, block_size):
+    """Head sizes past 64 (two, four and three vectors of value pairs a pass; MQA, MHA, GQA 5),
+    and 32-token blocks (int4's default: two key tiles a block), against the plain path."""
     torch.manual_seed(9)
-    check_prefill(kops, fmt, 100, 40, None, torch.float32, hq, hk, d)
+    check_prefill(kops, fmt, 100, 40, None, torch.float32, hq, hk, d, block_size=block_size)
 
 
 def test_int4_prefill_scores_do_not_overflow(kops):
