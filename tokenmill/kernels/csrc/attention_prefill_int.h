@@ -87,6 +87,32 @@ void values_i16(const int16_t (*w16)[kKeys], float unit, const float* corr, cons
     }
 }
 
+// kp[d][j] = pair d of row j (rows: kKeys rows of D int16, pairs as uint32): AVX2 moves 8 x 8
+// blocks through registers, other builds one pair at a time
+inline void transpose_pairs(const int16_t* rows, int64_t D, int16_t* kp) {
+#ifdef TM_ISA_AVX2
+  for (int64_t j0 = 0; j0 < kKeys; j0 += 8)
+    for (int64_t d0 = 0; d0 < D / 2; d0 += 8) {
+      __m256i r[8], t[8];
+      for (int k = 0; k < 8; ++k) r[k] = vload_i16(rows + (j0 + k) * D + 2 * d0);
+      for (int k = 0; k < 8; k += 2)
+        t[k] = _mm256_unpacklo_epi32(r[k], r[k + 1]), t[k + 1] = _mm256_unpackhi_epi32(r[k], r[k + 1]);
+      for (int k = 0; k < 8; k += 4) {  // r[k + i]: pairs i and i + 4 of rows k .. k + 3
+        r[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]), r[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);
+        r[k + 2] = _mm256_unpacklo_epi64(t[k + 1], t[k + 3]), r[k + 3] = _mm256_unpackhi_epi64(t[k + 1], t[k + 3]);
+      }
+      for (int i = 0; i < 4; ++i) {
+        auto at = [&](int64_t d) { return reinterpret_cast<__m256i*>(kp + 2 * ((d0 + d) * kKeys + j0)); };
+        _mm256_storeu_si256(at(i), _mm256_permute2x128_si256(r[i], r[i + 4], 0x20));
+        _mm256_storeu_si256(at(i + 4), _mm256_permute2x128_si256(r[i], r[i + 4], 0x31));
+      }
+    }
+#else
+  for (int64_t j = 0; j < kKeys; ++j)
+    for (int64_t d = 0; d < D / 2; ++d) std::memcpy(kp + 2 * (d * kKeys + j), rows + j * D + 2 * d, 4);
+#endif
+}
+
 // One task's integer state: its query rows, and the key / value tile as pairs
 struct IntTile {
   int64_t D = 0, flush = 0;
@@ -129,11 +155,10 @@ struct IntTile {
           std::memcpy(rows16.data() + j * D + i, &c, sizeof(c));
         }
     }
+    std::fill(rows16.begin() + n * D, rows16.end(), int16_t{0});  // zero keys past n
+    transpose_pairs(rows16.data(), D, kp.data());
     float top = 0.f;
-    for (int64_t j = 0; j < kKeys; ++j) {  // the tile transposed as pairs; zero past n
-      uint32_t row[128] = {};
-      if (j < n) std::memcpy(row, rows16.data() + j * D, D * sizeof(int16_t));
-      for (int64_t d = 0; d < D / 2; ++d) std::memcpy(kp.data() + 2 * (d * kKeys + j), row + d, 4);
+    for (int64_t j = 0; j < kKeys; ++j) {
       kmul[j] = j < n && !int4 ? vhalf(K.scale[(s0 + j) * K.Hk + h]) : 1.f;
       vw[j] = j < n ? vhalf(V.scale[(s0 + j) * V.Hk + h]) : 0.f;
       top = std::max(top, vw[j]);
