@@ -11,8 +11,8 @@
 //           units mu = fp16(max(max|lo| / 127, 2**-24)) and su = the fp16 not below
 //           max step / 255, where mc = floor(lo / mu) and step = max((hi - mc mu) / 15, 2**-14);
 //           sc = ceil(step / su); q = round((k - mc mu) / (sc su)) in [0, 15]
-// (errors are summed in double in another order than PyTorch's, and the rotation's sums too:
-// the same codes but for rare ties)
+// (errors are summed in float lane by lane, in another order than PyTorch's, and the
+// rotation's sums too: the same codes but for rare ties)
 #include "internal.h"
 #include "tm.h"
 #include "vec.h"
@@ -63,27 +63,36 @@ void store_fp8(const float* x, int64_t D, uint8_t* q, uint16_t* scale) {
   *scale = s16;
 }
 
-// int4 V: y (already rotated) -> codes and scale
+// int4 V: y (already rotated) -> codes and scale. Each shrink's squared error is summed lane
+// by lane in float (D a multiple of kLanes), then across lanes in double.
 void store_int4v(const float* y, int64_t D, uint8_t* codes, uint16_t* scale) {
-  float amax = 0.f;
-  for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::fabs(y[i]));
+  vec mx = vzero();
+  for (int64_t i = 0; i < D; i += kLanes) mx = vmax(mx, vmax(vload(y + i), vsub(vzero(), vload(y + i))));
+  const float amax = vhmax(mx);
+  auto quant = [&](vec x, vec s) {
+    return vmin(vmax(vrint(vadd(vdiv(x, s), vset1(7.5f))), vzero()), vset1(15.f));
+  };
   double best = INFINITY;
   uint16_t best_s = 0;
   for (float c : kShrink) {
     const uint16_t s16 = f_to_half(std::max(amax * c / 7.5f, kMinScale));
-    const float s = half_to_f(s16);
-    double err = 0.0;
-    for (int64_t i = 0; i < D; ++i) {
-      const float q = clampf(std::nearbyint(y[i] / s + 7.5f), 0.f, 15.f);
-      const double e = static_cast<double>((q - 7.5f) * s - y[i]);
-      err += e * e;
+    const vec s = vset1(half_to_f(s16));
+    vec err = vzero();
+    for (int64_t i = 0; i < D; i += kLanes) {
+      const vec x = vload(y + i), e = vsub(vmul(vsub(quant(x, s), vset1(7.5f)), s), x);
+      err = vfma(e, e, err);
     }
-    if (err < best) best = err, best_s = s16;
+    float lanes[kLanes];
+    vstore(lanes, err);
+    double total = 0.0;
+    for (float l : lanes) total += l;
+    if (total < best) best = total, best_s = s16;
   }
-  const float s = half_to_f(best_s);
+  const vec s = vset1(half_to_f(best_s));
+  float qf[kMaxKvHeadDim];
   uint8_t q[kMaxKvHeadDim];
-  for (int64_t i = 0; i < D; ++i)
-    q[i] = static_cast<uint8_t>(clampf(std::nearbyint(y[i] / s + 7.5f), 0.f, 15.f));
+  for (int64_t i = 0; i < D; i += kLanes) vstore(qf + i, quant(vload(y + i), s));
+  for (int64_t i = 0; i < D; ++i) q[i] = static_cast<uint8_t>(qf[i]);
   pack_nibbles(q, D, codes);
   *scale = best_s;
 }
@@ -92,22 +101,31 @@ void store_int4v(const float* y, int64_t D, uint8_t* codes, uint16_t* scale) {
 // codes (`code_stride` bytes apart) and the block's params
 void seal_int4k(const float* y, int64_t ld, int64_t BS, int64_t D, uint8_t* codes,
                 int64_t code_stride, uint8_t* params) {
-  float lo[kMaxKvHeadDim], hi[kMaxKvHeadDim];
-  for (int64_t i = 0; i < D; ++i) {
-    float mn = y[i], mx = y[i];
-    for (int64_t j = 1; j < BS; ++j) mn = std::min(mn, y[j * ld + i]), mx = std::max(mx, y[j * ld + i]);
-    double best = INFINITY;
-    for (float c : kClip) {
-      const float l = mn * c, h = mx * c, s = std::max((h - l) / 15.f, kMinScale);
-      double err = 0.0;
+  // each clip's squared error per channel, kLanes channels at a time (summed in float)
+  float lo[kMaxKvHeadDim], hi[kMaxKvHeadDim], mn[kMaxKvHeadDim], mx[kMaxKvHeadDim];
+  float err[4][kMaxKvHeadDim];
+  static_assert(sizeof(kClip) / sizeof(kClip[0]) == 4, "four clips");
+  const vec zero = vzero(), fifteen = vset1(15.f);
+  for (int64_t i = 0; i < D; i += kLanes) {
+    vec lo_v = vload(y + i), hi_v = lo_v;
+    for (int64_t j = 1; j < BS; ++j) lo_v = vmin(lo_v, vload(y + j * ld + i)), hi_v = vmax(hi_v, vload(y + j * ld + i));
+    vstore(mn + i, lo_v), vstore(mx + i, hi_v);
+    for (int c = 0; c < 4; ++c) {
+      const vec l = vmul(lo_v, vset1(kClip[c])), h = vmul(hi_v, vset1(kClip[c]));
+      const vec s = vmax(vdiv(vsub(h, l), fifteen), vset1(kMinScale));
+      vec e2 = zero;
       for (int64_t j = 0; j < BS; ++j) {
-        const float v = y[j * ld + i];
-        const float z = clampf(std::nearbyint((v - l) / s), 0.f, 15.f) * s + l;
-        const double e = static_cast<double>(z - v);
-        err += e * e;
+        const vec v = vload(y + j * ld + i);
+        const vec z = vadd(vmul(vmin(vmax(vrint(vdiv(vsub(v, l), s)), zero), fifteen), s), l);
+        e2 = vfma(vsub(z, v), vsub(z, v), e2);
       }
-      if (err < best) best = err, lo[i] = l, hi[i] = h;
+      vstore(err[c] + i, e2);
     }
+  }
+  for (int64_t i = 0; i < D; ++i) {  // the first clip with the least error
+    float best = INFINITY;
+    for (int c = 0; c < 4; ++c)
+      if (err[c][i] < best) best = err[c][i], lo[i] = mn[i] * kClip[c], hi[i] = mx[i] * kClip[c];
   }
   float lmax = 0.f;
   for (int64_t i = 0; i < D; ++i) lmax = std::max(lmax, std::fabs(lo[i]));
@@ -133,11 +151,25 @@ void seal_int4k(const float* y, int64_t ld, int64_t BS, int64_t D, uint8_t* code
   std::memcpy(params + 2 * D, &mu16, 2);
   std::memcpy(params + 2 * D + 2, &su16, 2);
   uint8_t q[kMaxKvHeadDim];
+  float qf[kMaxKvHeadDim];
   for (int64_t j = 0; j < BS; ++j) {
-    for (int64_t i = 0; i < D; ++i)
-      q[i] = static_cast<uint8_t>(clampf(std::nearbyint((y[j * ld + i] - lo[i]) / step[i]), 0.f, 15.f));
+    for (int64_t i = 0; i < D; i += kLanes)
+      vstore(qf + i, vmin(vmax(vrint(vdiv(vsub(vload(y + j * ld + i), vload(lo + i)), vload(step + i))), zero), fifteen));
+    for (int64_t i = 0; i < D; ++i) q[i] = static_cast<uint8_t>(qf[i]);
     pack_nibbles(q, D, codes + j * code_stride);
   }
+}
+
+// one row (D float32) <- row @ R, in place; D <= 256
+void rotate_row(float* row, int64_t D, const float* R) {
+  float r[256] = {};
+  for (int64_t i = 0; i < D; ++i) {  // r += row[i] * R[i, :]
+    vec xi = vset1(row[i]);
+    int64_t j = 0;
+    for (; j + kLanes <= D; j += kLanes) vstore(r + j, vfma(xi, vload(R + i * D + j), vload(r + j)));
+    for (; j < D; ++j) r[j] += row[i] * R[i * D + j];
+  }
+  std::copy(r, r + D, row);
 }
 
 // rows (n, D) float32 <- rows @ R (or @ R^T), in place; D <= 256
@@ -150,18 +182,7 @@ void rotate_rows(float* x, int64_t n, int64_t D, const float* R, bool transpose)
     R = rt.data();
   }
   parallel_for(0, n, 16, [&](int64_t t0, int64_t t1) {
-    float r[256];
-    for (int64_t t = t0; t < t1; ++t) {
-      float* row = x + t * D;
-      std::fill(r, r + D, 0.f);
-      for (int64_t i = 0; i < D; ++i) {  // r += row[i] * R[i, :]
-        vec xi = vset1(row[i]);
-        int64_t j = 0;
-        for (; j + kLanes <= D; j += kLanes) vstore(r + j, vfma(xi, vload(R + i * D + j), vload(r + j)));
-        for (; j < D; ++j) r[j] += row[i] * R[i * D + j];
-      }
-      std::copy(r, r + D, row);
-    }
+    for (int64_t t = t0; t < t1; ++t) rotate_row(x + t * D, D, R);
   });
 }
 
@@ -226,7 +247,7 @@ extern "C" void tm_kv_store(int format, const float* x, int64_t tokens, int64_t 
         store_fp8(src, D, codes + at * D, scale + at);
       } else {  // TM_KV_INT4V
         std::copy(src, src + D, rot);
-        if (rotation) rotate_rows(rot, 1, D, rotation, false);
+        if (rotation) rotate_row(rot, D, rotation);
         store_int4v(rot, D, codes + at * (D / 2), scale + at);
       }
     }

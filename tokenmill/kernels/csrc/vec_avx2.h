@@ -40,6 +40,7 @@ inline vec vmin(vec a, vec b) { return _mm256_min_ps(a, b); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline vec vfnma(vec a, vec b, vec c) { return _mm256_fnmadd_ps(a, b, c); }
 inline vec vfloor(vec v) { return _mm256_floor_ps(v); }
+inline vec vrint(vec v) { return _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }  // to nearest, even on ties
 inline vec vexp2i(vec n) {  // 2^n for integral n in the normal range: build the exponent bits
   __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
   return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));

@@ -48,6 +48,7 @@ inline vec vmin(vec x, vec y) { return {vminnmq_f32(x.a, y.a), vminnmq_f32(x.b, 
 inline vec vfma(vec x, vec y, vec c) { return {vfmaq_f32(c.a, x.a, y.a), vfmaq_f32(c.b, x.b, y.b)}; }
 inline vec vfnma(vec x, vec y, vec c) { return {vfmsq_f32(c.a, x.a, y.a), vfmsq_f32(c.b, x.b, y.b)}; }
 inline vec vfloor(vec v) { return {vrndmq_f32(v.a), vrndmq_f32(v.b)}; }
+inline vec vrint(vec v) { return {vrndnq_f32(v.a), vrndnq_f32(v.b)}; }
 inline float32x4_t exp2i4(float32x4_t n) {
   int32x4_t e = vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127));
   return vreinterpretq_f32_s32(vshlq_n_s32(e, 23));

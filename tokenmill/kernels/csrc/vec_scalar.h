@@ -39,6 +39,7 @@ inline vec vfma(vec a, vec b, vec c) { TM_LANES(a.x[i] * b.x[i] + c.x[i]); }
 inline vec vfnma(vec a, vec b, vec c) { TM_LANES(c.x[i] - a.x[i] * b.x[i]); }
 #endif
 inline vec vfloor(vec v) { TM_LANES(std::floor(v.x[i])); }
+inline vec vrint(vec v) { TM_LANES(std::nearbyint(v.x[i])); }
 inline vec vexp2i(vec n) { TM_LANES(std::ldexp(1.0f, static_cast<int>(n.x[i]))); }
 #undef TM_LANES
 
