@@ -118,19 +118,23 @@ def test_every_fp8_code_is_read_exactly(kops):
     assert torch.equal(out[0], rows.repeat_interleave(2, 0))
 
 
-@pytest.fixture(scope="module")
-def wide_value_passes(tmp_path_factory):
-    """The AVX2 build with the value passes AVX-512 takes (four accumulators a head: values_int.h),
-    which AVX2 itself never runs."""
+def avx2_variant(tmp_path_factory, name, define):
+    """The AVX2 library built with one extra -D (at -O1: compiles ~2x faster); skips off AVX2."""
     from tokenmill.kernels import build
     from tokenmill.kernels.isa import supported_isas
     from tokenmill.kernels.lib import KernelLib
 
     if build.machine_arch() != "x86_64" or "avx2" not in supported_isas():
         pytest.skip("needs an x86-64 CPU with AVX2")
-    out = tmp_path_factory.mktemp("passes") / build.library_name("avx2")
-    flags = ["-fopenmp", "-DTM_VALUES_PASS=4", "-O1"]  # -O1: compiles ~2x faster
-    return KernelLib(build._compile("avx2", out, build.compiler(), flags))
+    out = tmp_path_factory.mktemp(name) / build.library_name("avx2")
+    return KernelLib(build._compile("avx2", out, build.compiler(), ["-fopenmp", define, "-O1"]))
+
+
+@pytest.fixture(scope="module")
+def wide_value_passes(tmp_path_factory):
+    """The AVX2 build with the value passes AVX-512 takes (four accumulators a head: values_int.h),
+    which AVX2 itself never runs."""
+    return avx2_variant(tmp_path_factory, "passes", "-DTM_VALUES_PASS=4")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
@@ -244,15 +248,7 @@ def test_int4_prefill_scores_do_not_overflow(kops):
 def intrinsics_tile(tmp_path_factory):
     """The AVX2 build without the assembly pair loops (attention_int_asm.h): the intrinsics
     the loops replace."""
-    from tokenmill.kernels import build
-    from tokenmill.kernels.isa import supported_isas
-    from tokenmill.kernels.lib import KernelLib
-
-    if build.machine_arch() != "x86_64" or "avx2" not in supported_isas():
-        pytest.skip("needs an x86-64 CPU with AVX2")
-    out = tmp_path_factory.mktemp("intrinsics") / build.library_name("avx2")
-    flags = ["-fopenmp", "-DTM_NO_INT_ASM", "-O1"]  # -O1: compiles ~2x faster
-    return KernelLib(build._compile("avx2", out, build.compiler(), flags))
+    return avx2_variant(tmp_path_factory, "intrinsics", "-DTM_NO_INT_ASM")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
