@@ -1,12 +1,18 @@
 // AMX only: PrefillTask::run's work (one KV head, one tile of query positions) on bf16 tiles,
 // for an unquantized bf16 cache and a head size that is a multiple of 32 (included by
-// attention_prefill.cpp). Keys go 32 at a time, query rows (position x GQA head) 16 at a time:
-// - scores: tiles 0 and 1 (16 rows x 16 keys each, float32) accumulate TDPBF16PS of the rows'
-//   q (tile 4) and the keys' pairs (tile 6), scaled afterwards as scores_dot does;
-// - the online softmax is softmax_step's, as two steps of 16 keys;
-// - the probabilities, rounded to bf16 as values_dot rounds them (tile 4), times the value pairs
-//   (tile 6, 16 output columns each) add into the rows' float32 outputs in tiles 0-3, loaded
-//   from and stored back to the task's output rows.
+// attention_prefill.cpp). Everything runs transposed, query rows (position x GQA head) in the
+// lanes, 16 rows to a group, so the online softmax is plain vector work with no horizontal
+// reductions. Keys go kAmxBlock at a time (one copy of their K rows and V^T for every group),
+// in tiles of 16 (scores) and 32 (values):
+// - scores S^T (keys x rows): tiles 0 and 1 (16 keys x 16 rows each, float32) accumulate
+//   TDPBF16PS of the keys' rows (tile 4, straight from a copy of the K rows) and the group's
+//   q as pairs (tile 6, transposed once per task);
+// - the online softmax: per key a vector of the rows' scores, scaled, masked (causal, window),
+//   the rows' maxima, sums and corrections as vectors;
+// - the probabilities, rounded to bf16 (as values_dot rounds them) and paired by key (tile 6),
+//   multiply V^T (tile 4: 16 channels x 32 keys, the value pairs transposed once per block)
+//   into the group's float32 output O^T (channels x rows) in tiles 0-3, loaded from and stored
+//   back to the task's scratch.
 // Products of bf16 are exact in float32, as on the VDPBF16PS path; only the order of the sums
 // differs.
 #pragma once
@@ -18,105 +24,234 @@
 
 namespace tm {
 
-constexpr int64_t kAmxKeys = 32;  // keys per step: two 16-key score tiles
+constexpr int64_t kAmxKeys = 32;  // keys per value tile step: two 16-key score tiles
+constexpr int64_t kAmxBlock = 128;  // keys per softmax step (one copy of their K and V^T)
+constexpr int64_t kAmxGroup = 16;  // query rows per group (the lanes of a tile row)
+constexpr float kAmxNoMax = -1e30f;  // a row's maximum before any key (finite: no inf - inf)
 
-// keys [p, p + n) of KV head h: K as two 16-key tiles of pairs kp[half][d/2][16], V as pairs
-// vp[j/2][d] of two keys; zero past n
+// dst[c][r] = src[r][c] for a 16 x 16 block of 32-bit values (rows ld_src / ld_dst apart)
+inline void transpose16(const uint32_t* src, int64_t ld_src, uint32_t* dst, int64_t ld_dst) {
+#ifdef TM_ISA_AMX
+  __m512i r[16], u[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ld_src);
+  for (int i = 0; i < 16; i += 2) {  // 32-bit pairs
+    u[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    u[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // 64-bit pairs
+    r[i] = _mm512_unpacklo_epi64(u[i], u[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(u[i], u[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(u[i + 1], u[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(u[i + 1], u[i + 3]);
+  }
+  // r[4a + b] holds, in each 128-bit lane L, column 4L + b of rows 4a..4a+3: gather the
+  // lanes across the four row quads
+  for (int b = 0; b < 4; ++b) {
+    __m512i x0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88), x1 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xdd);
+    __m512i x2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88), x3 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xdd);
+    u[b] = _mm512_shuffle_i32x4(x0, x2, 0x88);       // lane 0 of each quad: column b'
+    u[8 + b] = _mm512_shuffle_i32x4(x0, x2, 0xdd);   // lane 2
+    u[4 + b] = _mm512_shuffle_i32x4(x1, x3, 0x88);   // lane 1
+    u[12 + b] = _mm512_shuffle_i32x4(x1, x3, 0xdd);  // lane 3
+  }
+  for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + c * ld_dst, u[c]);
+#else
+  for (int i = 0; i < 16; ++i)
+    for (int c = 0; c < 16; ++c) dst[c * ld_dst + i] = src[i * ld_src + c];
+#endif
+}
+
+// keys [p, p + n) of KV head h (n <= kAmxBlock): K rows kr[n, rounded up to 64][D] (bf16; zero
+// past n) and, per 32 keys c, V^T as pairs of keys vt[c][D][16] (channel d: (v[2j][d],
+// v[2j + 1][d]) for j < 16)
 template <typename Task>
 void amx_load_keys(const Task& t, int64_t h, int64_t p, int64_t n, PrefillScratch& sc) {
-  const int64_t D = t.D, half = D / 2 * 16;
-  if (n < kAmxKeys) {
-    std::fill(sc.kp.begin(), sc.kp.end(), 0u);
-    std::fill(sc.vp.begin(), sc.vp.end(), 0u);
+  const int64_t D = t.D, padded = (n + kAmxKeys - 1) / kAmxKeys * kAmxKeys, rows = (n + 63) / 64 * 64;
+  auto* kr = reinterpret_cast<bf16*>(sc.kp.data());
+  for (int64_t j = 0; j < n; ++j) std::memcpy(kr + j * D, t.kc + t.at(h, p + j), D * sizeof(bf16));
+  if (n < rows) std::memset(static_cast<void*>(kr + n * D), 0, (rows - n) * D * sizeof(bf16));
+  uint32_t* vp = sc.vp.data();  // [16][D] pairs of one 32-key chunk, then transposed
+  for (int64_t c = 0; c < padded; c += kAmxKeys) {
+    for (int64_t j = c; j < c + kAmxKeys; j += 2) {
+      uint32_t* dst = vp + (j - c) / 2 * D;
+      if (j < n) t.value_pair(t.vc + t.at(h, p + j), j + 1 < n ? t.vc + t.at(h, p + j + 1) : nullptr, dst);
+      else std::fill(dst, dst + D, 0u);
+    }
+    uint32_t* vt = sc.vt.data() + c / kAmxKeys * D * 16;
+    for (int64_t d0 = 0; d0 < D; d0 += 16) transpose16(vp + d0, D, vt + d0 * 16, 16);
   }
-  for (int64_t j = 0; j < n; ++j) {
-    const auto* pairs = reinterpret_cast<const uint32_t*>(t.kc + t.at(h, p + j));
-    uint32_t* dst = sc.kp.data() + j / 16 * half + j % 16;
-    for (int64_t d = 0; d < D / 2; ++d) dst[d * 16] = pairs[d];
-  }
-  for (int64_t j = 0; j < n; j += 2)
-    t.value_pair(t.vc + t.at(h, p + j), j + 1 < n ? t.vc + t.at(h, p + j + 1) : nullptr,
-                 sc.vp.data() + j / 2 * D);
 }
 
-// rows [r0, r0 + 16) of q (bf16 pairs, rows D / 2 apart) against the loaded keys: s[16][32]
-inline void amx_scores(const uint32_t* qp, const uint32_t* kp, int64_t D, float scale, float* s) {
-  const int64_t half = D / 2 * 16;
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int64_t k = 0; k < D / 2; k += 16) {
-    _tile_loadd(4, qp + k, D * 2);
-    _tile_loadd(6, kp + k * 16, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_loadd(6, kp + half + k * 16, 64);
-    _tile_dpbf16ps(1, 4, 6);
-  }
-  _tile_stored(0, s, kAmxKeys * sizeof(float));
-  _tile_stored(1, s + 16, kAmxKeys * sizeof(float));
-  for (int64_t i = 0; i < 16 * kAmxKeys; i += kLanes) vstore(s + i, vmul(vload(s + i), vset1(scale)));
-}
-
-// 32 probabilities of a row as bf16 (round to nearest even, as values_dot's conversion)
-inline void amx_probs(const float* s, bf16* pp) {
+// 16 probabilities of rows for keys 2j and 2j + 1 (a, b) as bf16 pairs (a_r, b_r), rounded
+// to nearest even as values_dot rounds them
+inline void amx_prob_pairs(const float* a, const float* b, uint32_t* out) {
 #ifdef TM_ISA_AMX
-  _mm512_storeu_si512(pp, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(s + 16), _mm512_loadu_ps(s)));
+  static const __m512i kInterleave = _mm512_set_epi16(
+      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(b), _mm512_loadu_ps(a));
+  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(kInterleave, both));
 #else
-  for (int64_t j = 0; j < kAmxKeys; ++j) pp[j] = to_bf16(s[j]);
+  for (int r = 0; r < 16; ++r) out[r] = to_bf16(a[r]).bits | uint32_t{to_bf16(b[r]).bits} << 16;
 #endif
+}
+
+// One group's online softmax over the keys [p, p + n): s[n][16] scores in, probabilities as
+// key pairs pp[n / 2, rounded up to 16][16] out; m, l: the group's maxima and sums; corr: their corrections.
+// visible(j, lo, hi): the rows [lo, hi) that see key p + j (rows in position order).
+// [mask_lo, mask_hi) bounds the keys that some row does not see (outside it every row sees them)
+template <typename Visible>
+bool amx_softmax(float* s, int64_t n, float scale, float* m, float* l, float* corr, uint32_t* pp,
+                 int64_t mask_lo, int64_t mask_hi, const Visible& visible) {
+  for (int64_t j = std::max<int64_t>(0, mask_lo); j < std::min(n, mask_hi); ++j) {
+    int64_t lo, hi;  // masked scores first: rows that do not see the key
+    visible(j, lo, hi);
+    lo = std::clamp<int64_t>(lo, 0, kAmxGroup);
+    hi = std::clamp<int64_t>(hi, lo, kAmxGroup);
+    float* sj = s + j * kAmxGroup;
+    std::fill(sj, sj + lo, -INFINITY);
+    std::fill(sj + hi, sj + kAmxGroup, -INFINITY);
+  }
+  bool raised = false;
+  for (int64_t u = 0; u < kAmxGroup; u += kLanes) {
+    const vec mo = vload(m + u);
+    vec mx = mo;
+    for (int64_t j = 0; j < n; ++j) mx = vmax(mx, vmul(vload(s + j * kAmxGroup + u), vset1(scale)));
+    raised |= vmask_eq(mx, mo) != (1 << kLanes) - 1;
+    vstore(m + u, mx);
+    vstore(corr + u, vexp(vsub(mo, mx)));
+  }
+  for (int64_t u = 0; u < kAmxGroup; u += kLanes) {
+    const vec mx = vload(m + u), sc = vset1(scale);
+    vec sum = vmul(vload(l + u), vload(corr + u));
+    for (int64_t j = 0; j < n; ++j) {
+      vec e = vexp(vsub(vmul(vload(s + j * kAmxGroup + u), sc), mx));
+      vstore(s + j * kAmxGroup + u, e);
+      sum = vadd(sum, e);
+    }
+    vstore(l + u, sum);
+  }
+  const int64_t padded = (n + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
+  std::fill(s + n * kAmxGroup, s + padded * kAmxGroup, 0.f);
+  for (int64_t j = 0; j < padded; j += 2)
+    amx_prob_pairs(s + j * kAmxGroup, s + (j + 1) * kAmxGroup, pp + j / 2 * kAmxGroup);
+  return raised;
 }
 
 template <typename Task>
 void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc) {
-  const int64_t D = t.D, group = t.Hq / t.Hk, R = rows * group, padded = (R + 15) / 16 * 16;
-  sc.qp.assign(padded * D / 2, 0u);  // rows past R stay zero: their scores and outputs are 0
-  sc.kp.resize(kAmxKeys * D / 2), sc.vp.resize(kAmxKeys / 2 * D);
-  sc.s.resize(16 * kAmxKeys), sc.pp.resize(16 * kAmxKeys / 2);
-  sc.m.assign(R, -INFINITY), sc.l.assign(R * kLanes, 0.f), sc.o.assign(padded * D, 0.f);
-  for (int64_t r = 0; r < R; ++r)  // row r: position i0 + r / group, head h * group + r % group
-    std::memcpy(sc.qp.data() + r * D / 2, t.q + ((i0 + r / group) * t.Hq + h * group + r % group) * D,
-                D * sizeof(bf16));
+  const int64_t D = t.D, group = t.Hq / t.Hk, R = rows * group;
+  const int64_t groups = (R + kAmxGroup - 1) / kAmxGroup, G = kAmxGroup;
+  sc.qp.assign(groups * D / 2 * G, 0u);  // per group: q^T pairs [D/2][16]; rows past R zero
+  sc.kp.resize(kAmxBlock * D / 2), sc.vp.resize(kAmxKeys / 2 * D), sc.vt.resize(kAmxBlock / 2 * D);
+  sc.s.resize(kAmxBlock * G), sc.pp.resize(kAmxBlock / 2 * G);
+  sc.m.assign(groups * G, kAmxNoMax), sc.l.assign(groups * G, 0.f), sc.o.assign(groups * D * G, 0.f);
+  for (int64_t r = 0; r < R; ++r) {  // row r: position i0 + r / group, head h * group + r % group
+    const auto* src = reinterpret_cast<const uint32_t*>(
+        t.q + ((i0 + r / group) * t.Hq + h * group + r % group) * D);
+    uint32_t* dst = sc.qp.data() + r / G * D / 2 * G + r % G;
+    for (int64_t d = 0; d < D / 2; ++d) dst[d * G] = src[d];
+  }
   AmxTiles tiles(true);
   const int64_t first = t.computed + i0, last = first + rows - 1;  // query positions
-  float* s = sc.s.data();
-  auto* pp = reinterpret_cast<bf16*>(sc.pp.data());
+  float corr[kAmxGroup];
   for (int64_t p = t.window > 0 ? std::max<int64_t>(0, first - t.window + 1) : 0, n; p <= last;
        p += n) {
-    n = std::min(kAmxKeys, last + 1 - p);
+    n = std::min(kAmxBlock, last + 1 - p);
     amx_load_keys(t, h, p, n, sc);
-    // row groups whose positions all come before the keys see none of them
-    for (int64_t r0 = std::max<int64_t>(0, p - first) * group / 16 * 16; r0 < R; r0 += 16) {
-      amx_scores(sc.qp.data() + r0 * D / 2, sc.kp.data(), D, t.scale, s);
-      float corr[16];
-      bool rescale = false;
-      for (int64_t i = 0; i < std::min<int64_t>(16, R - r0); ++i) {
-        const int64_t r = r0 + i, qpos = first + r / group;
-        float* sr = s + i * kAmxKeys;
-        corr[i] = t.softmax_step(sr, r, qpos, p, std::min<int64_t>(n, 16), sc);
-        const float c = t.softmax_step(sr + 16, r, qpos, p + 16, std::max<int64_t>(0, n - 16), sc);
-        if (c != 1.f)  // the second step's new maximum applies to the first's probabilities too
-          for (int64_t j = 0; j < 16; ++j) sr[j] *= c;
-        corr[i] *= c;
-        rescale |= corr[i] != 1.f;
-      }
-      for (int64_t i = 0; i < 16; ++i) amx_probs(s + i * kAmxKeys, pp + i * kAmxKeys);
-      float* o = sc.o.data() + r0 * D;
-      if (rescale)
-        for (int64_t i = 0; i < std::min<int64_t>(16, R - r0); ++i)
-          for (int64_t d = 0; d < D; d += kLanes)
-            vstore(o + i * D + d, vmul(vload(o + i * D + d), vset1(corr[i])));
-      _tile_loadd(4, pp, kAmxKeys * sizeof(bf16));
-      for (int64_t c = 0; c < D / 16; c += 4) {  // 4 tiles of 16 output columns at a time
-        const int nt = static_cast<int>(std::min<int64_t>(4, D / 16 - c));
-        for (int u = 0; u < nt; ++u) tile_load(u, o + (c + u) * 16, D * sizeof(float));
-        for (int u = 0; u < nt; ++u) {
-          _tile_loadd(6, sc.vp.data() + (c + u) * 16, D * sizeof(uint32_t));
-          tile_dot_4_6(u);
+    const auto* kr = reinterpret_cast<const bf16*>(sc.kp.data());
+    // groups whose rows all come before the keys see none of them; with a window, groups
+    // whose rows all come past it neither
+    const int64_t g_first = std::max<int64_t>(0, p - first) * group / G;
+    int64_t g_end = groups;
+    if (t.window > 0) g_end = std::min(groups, ((p + n - 1 + t.window - first) * group + G - 1) / G);
+    // the keys the group's last row can see (causal): the rest of the block is skipped
+    auto seen_by = [&](int64_t g) {
+      return std::min(n, first + std::min(R - 1, g * G + G - 1) / group - p + 1);
+    };
+    // S^T of group g into s[k][16], 4 tiles of 16 keys at a time
+    auto scores = [&](int64_t g, float* s) {
+      const uint32_t* qt = sc.qp.data() + g * D / 2 * G;
+      for (int64_t k = 0; k < (seen_by(g) + 63) / 64 * 64; k += 64) {
+        const bf16* kk = kr + k * D;
+        const int64_t ld = D * sizeof(bf16), step = 16 * D;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < D / 32; ++c) {  // K rows alternate between tiles 4 and 5
+          _tile_loadd(6, qt + c * 16 * G, G * sizeof(uint32_t));
+          _tile_loadd(4, kk + c * 32, ld);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_loadd(5, kk + step + c * 32, ld);
+          _tile_dpbf16ps(1, 5, 6);
+          _tile_loadd(4, kk + 2 * step + c * 32, ld);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_loadd(5, kk + 3 * step + c * 32, ld);
+          _tile_dpbf16ps(3, 5, 6);
         }
-        for (int u = 0; u < nt; ++u) tile_store(u, o + (c + u) * 16, D * sizeof(float));
+        for (int u = 0; u < 4; ++u) tile_store(u, s + (k + 16 * u) * G, G * sizeof(float));
       }
+    };
+    // group g's softmax step: probabilities to pp, its output rows rescaled
+    auto softmax = [&](int64_t g, float* s, uint32_t* pp) {
+      const int64_t r0 = g * G, seen = seen_by(g);
+      auto visible = [&](int64_t j, int64_t& lo, int64_t& hi) {  // rows [lo, hi) see key p + j
+        lo = (p + j - first) * group - r0;
+        hi = t.window > 0 ? (p + j + t.window - first) * group - r0 : G;
+      };
+      // keys from the group's first row's position on are masked for some rows (causal); with
+      // a window, any key may be
+      const int64_t mask_lo = t.window > 0 ? 0 : first + r0 / group - p + 1;
+      float* o = sc.o.data() + g * D * G;  // O^T [D][16]
+      if (amx_softmax(s, seen, t.scale, sc.m.data() + r0, sc.l.data() + r0, corr, pp, mask_lo,
+                      seen, visible))
+        for (int64_t d = 0; d < D; ++d)
+          for (int64_t u = 0; u < G; u += kLanes)
+            vstore(o + d * G + u, vmul(vload(o + d * G + u), vload(corr + u)));
+    };
+    // group g's output O^T += V^T . P^T, 4 tiles of 16 channels at a time
+    auto values = [&](int64_t g, const uint32_t* pp) {
+      const int64_t chunks = (seen_by(g) + kAmxKeys - 1) / kAmxKeys;
+      float* o = sc.o.data() + g * D * G;
+      for (int64_t c = 0; c < D / 16; c += 4) {
+        const int nt = static_cast<int>(std::min<int64_t>(4, D / 16 - c));
+        for (int u = 0; u < nt; ++u) tile_load(u, o + (c + u) * 16 * G, G * sizeof(float));
+        for (int64_t k = 0; k < chunks; ++k) {  // V^T alternates between tiles 4 and 5
+          _tile_loadd(6, pp + k * 16 * G, G * sizeof(uint32_t));
+          const uint32_t* vt = sc.vt.data() + (k * D + c * 16) * 16;
+          const int64_t ld = 16 * sizeof(uint32_t);
+          _tile_loadd(4, vt, ld);
+          _tile_dpbf16ps(0, 4, 6);
+          if (nt > 1) {
+            _tile_loadd(5, vt + 256, ld);
+            _tile_dpbf16ps(1, 5, 6);
+          }
+          if (nt > 2) {
+            _tile_loadd(4, vt + 512, ld);
+            _tile_dpbf16ps(2, 4, 6);
+          }
+          if (nt > 3) {
+            _tile_loadd(5, vt + 768, ld);
+            _tile_dpbf16ps(3, 5, 6);
+          }
+        }
+        for (int u = 0; u < nt; ++u) tile_store(u, o + (c + u) * 16 * G, G * sizeof(float));
+      }
+    };
+    for (int64_t g = g_first; g < g_end; ++g) {
+      scores(g, sc.s.data());
+      softmax(g, sc.s.data(), sc.pp.data());
+      values(g, sc.pp.data());
     }
   }
-  t.write_rows(h, i0, R, D, sc);
+  for (int64_t r = 0; r < R; ++r) {  // O^T / l to the rows of out
+    const int64_t g = r / G, i = r % G;
+    bf16* dst = t.out + ((i0 + r / group) * t.Hq + h * group + r % group) * D;
+    const float inv = 1.f / sc.l[g * G + i];
+    const float* o = sc.o.data() + g * D * G + i;
+    for (int64_t d = 0; d < D; ++d) dst[d] = from_f<bf16>(o[d * G] * inv);
+  }
 }
 
 }  // namespace tm
