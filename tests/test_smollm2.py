@@ -145,7 +145,12 @@ def test_default_runs_the_quantized_file_close_to_float32(llm, model_path):
 def test_default_quantized_logits_against_transformers(reference, model_path):
     """The file's Q4_1 / Q8_0 weights run natively (int8 activations) against transformers
     dequantizing the same file in float32, 256 tokens of real text. Measured: relative logit
-    error 3.2 % and next-token agreement 96.1 % (bf16 dequantized: 1.6 %, 97.3 %)."""
+    error 3.2 % and next-token agreement 96.1 % (bf16 dequantized: 1.6 %, 97.3 %). On an AMX
+    Xeon (stop 47) the error was 3.05-3.12 % on all three prefill attention paths (AMX kernel
+    before and after its rewrite, SDPA), the agreement 92.2 / 94.9 / 94.1 %: every miss was a
+    near tie, where transformers' own top two logits were within 0.38 of each other, so the
+    agreement is checked where its first choice leads by more than 0.25 (209 of the 256
+    positions: 99.5 % on all three paths) and only loosely overall."""
     from pathlib import Path
 
     from tokenmill.layers import ops
@@ -159,7 +164,12 @@ def test_default_quantized_logits_against_transformers(reference, model_path):
         ref = model(torch.tensor([ids])).logits[0]
     ours = LLM(NAME, max_model_len=512, max_num_seqs=1).engine.compute_logits(ids)
     assert ((ours - ref).norm() / ref.norm()).item() < 0.05
-    assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.93
+    agree = ours.argmax(-1) == ref.argmax(-1)
+    top2 = ref.topk(2, -1).values
+    clear = top2[:, 0] - top2[:, 1] > 0.25  # transformers' first choice leads by a margin
+    assert clear.sum().item() > 150
+    assert agree[clear].float().mean().item() > 0.98
+    assert agree.float().mean().item() > 0.9
 
 
 @pytest.mark.parametrize("kv,bound", [("int8", 1.008), ("int4", 1.025)])
