@@ -23,7 +23,7 @@ def best_time(fn, repeats: int = 7) -> float:
         fn()
         times.append(time.perf_counter() - start)
     # the best: a limit is what the machine can do, and on a shared host a neighbour slows
-    # some repeats down (an AMX Xeon's bf16 matmul measured 680-1,570 GFLOP/s in one session)
+    # some repeats down (an AMX Xeon's bf16 matmul measured 680-2,990 GFLOP/s in one session)
     return min(times)
 
 

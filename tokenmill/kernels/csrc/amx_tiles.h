@@ -55,14 +55,4 @@ inline void tile_load(int t, const void* p, int64_t stride) {
   }
 }
 
-// Accumulator tile t (0-3) += tile 4 . tile 6 (bf16 pairs, float32 sums).
-inline void tile_dot_4_6(int t) {
-  switch (t) {
-    case 0: _tile_dpbf16ps(0, 4, 6); break;
-    case 1: _tile_dpbf16ps(1, 4, 6); break;
-    case 2: _tile_dpbf16ps(2, 4, 6); break;
-    default: _tile_dpbf16ps(3, 4, 6); break;
-  }
-}
-
 }  // namespace tm

@@ -4,15 +4,15 @@
 // lanes, 16 rows to a group, so the online softmax is plain vector work with no horizontal
 // reductions. Keys go kAmxBlock at a time (one copy of their K rows and V^T for every group),
 // in tiles of 16 (scores) and 32 (values):
-// - scores S^T (keys x rows): tiles 0 and 1 (16 keys x 16 rows each, float32) accumulate
-//   TDPBF16PS of the keys' rows (tile 4, straight from a copy of the K rows) and the group's
-//   q as pairs (tile 6, transposed once per task);
+// - scores S^T (keys x rows): tiles 0-3 (16 keys x 16 rows each, float32) accumulate
+//   TDPBF16PS of the keys' rows (tiles 4 and 5, from a copy of the K rows) and the group's q as
+//   pairs (tile 6, transposed once per task);
 // - the online softmax: per key a vector of the rows' scores, scaled, masked (causal, window),
 //   the rows' maxima, sums and corrections as vectors;
 // - the probabilities, rounded to bf16 (as values_dot rounds them) and paired by key (tile 6),
-//   multiply V^T (tile 4: 16 channels x 32 keys, the value pairs transposed once per block)
-//   into the group's float32 output O^T (channels x rows) in tiles 0-3, loaded from and stored
-//   back to the task's scratch.
+//   multiply V^T (tiles 4 and 5: 16 channels x 32 keys, the value pairs transposed once per
+//   block) into the group's float32 output O^T (channels x rows) in tiles 0-3, loaded from and
+//   stored back to the task's scratch.
 // Products of bf16 are exact in float32, as on the VDPBF16PS path; only the order of the sums
 // differs.
 #pragma once
@@ -49,7 +49,7 @@ inline void transpose16(const uint32_t* src, int64_t ld_src, uint32_t* dst, int6
   for (int b = 0; b < 4; ++b) {
     __m512i x0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88), x1 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xdd);
     __m512i x2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88), x3 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xdd);
-    u[b] = _mm512_shuffle_i32x4(x0, x2, 0x88);       // lane 0 of each quad: column b'
+    u[b] = _mm512_shuffle_i32x4(x0, x2, 0x88);       // lane 0 of each quad: column b
     u[8 + b] = _mm512_shuffle_i32x4(x0, x2, 0xdd);   // lane 2
     u[4 + b] = _mm512_shuffle_i32x4(x1, x3, 0x88);   // lane 1
     u[12 + b] = _mm512_shuffle_i32x4(x1, x3, 0xdd);  // lane 3
@@ -97,13 +97,13 @@ inline void amx_prob_pairs(const float* a, const float* b, uint32_t* out) {
 }
 
 // One group's online softmax over the keys [p, p + n): s[n][16] scores in, probabilities as
-// key pairs pp[n / 2, rounded up to 16][16] out; m, l: the group's maxima and sums; corr: their corrections.
-// visible(j, lo, hi): the rows [lo, hi) that see key p + j (rows in position order).
-// [mask_lo, mask_hi) bounds the keys that some row does not see (outside it every row sees them)
+// key pairs pp[n rounded up to 32, halved][16] out; m, l: the group's maxima and sums; corr:
+// their corrections (returns whether any is not 1). visible(j, lo, hi): the rows [lo, hi) that
+// see key p + j (rows in position order); every row sees the keys before mask_lo.
 template <typename Visible>
 bool amx_softmax(float* s, int64_t n, float scale, float* m, float* l, float* corr, uint32_t* pp,
-                 int64_t mask_lo, int64_t mask_hi, const Visible& visible) {
-  for (int64_t j = std::max<int64_t>(0, mask_lo); j < std::min(n, mask_hi); ++j) {
+                 int64_t mask_lo, const Visible& visible) {
+  for (int64_t j = std::max<int64_t>(0, mask_lo); j < n; ++j) {
     int64_t lo, hi;  // masked scores first: rows that do not see the key
     visible(j, lo, hi);
     lo = std::clamp<int64_t>(lo, 0, kAmxGroup);
@@ -205,7 +205,7 @@ void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, Prefil
       const int64_t mask_lo = t.window > 0 ? 0 : first + r0 / group - p + 1;
       float* o = sc.o.data() + g * D * G;  // O^T [D][16]
       if (amx_softmax(s, seen, t.scale, sc.m.data() + r0, sc.l.data() + r0, corr, pp, mask_lo,
-                      seen, visible))
+                      visible))
         for (int64_t d = 0; d < D; ++d)
           for (int64_t u = 0; u < G; u += kLanes)
             vstore(o + d * G + u, vmul(vload(o + d * G + u), vload(corr + u)));
