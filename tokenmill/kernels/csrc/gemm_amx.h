@@ -37,23 +37,20 @@ inline const bf16* tile_rows(const bf16* src, int64_t ld, int64_t n, int64_t wid
   return pad;
 }
 
-// The 16 x 32 float32 results of tiles t and t + 1 (columns 0-15, 16-31), rows [row0, row0 + n)
-// of the panel's output, handed to emit(rows, row0, n) from an L1-resident buffer.
-template <typename Emit>
-inline void emit_tiles(int t, int64_t row0, int64_t n, const Emit& emit) {
-  alignas(64) float tmp[16][kPanel];
-  tile_store(t, tmp[0], kPanel * sizeof(float));
-  tile_store(t + 1, tmp[0] + kLanes, kPanel * sizeof(float));
-  emit(tmp, row0, n);
-}
-
 // x[0:rows] . panel over the k pairs [0, pairs) (a multiple of 16), 32 rows at a time, each
-// 16 rows' results to emit (emit_tiles); pad holds 32 rows of 2 x pairs inputs for a last tile
-// with fewer rows.
+// 16 rows' results to emit(res, row0, n) from an L1-resident buffer; pad holds 32 rows of
+// 2 x pairs inputs for a last tile with fewer rows. A row tile's results are emitted after the
+// next row tile's tile products are issued, so the vector work overlaps them.
 template <typename Emit>
 void amx_panel(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel, int64_t pairs,
                bf16* pad, const Emit& emit) {
   const int64_t width = 2 * pairs, wstride = 2 * kPanel * sizeof(bf16);
+  alignas(64) float done[32][kPanel];  // the previous row tile's results
+  int64_t done_row = 0, done_n = 0;
+  auto flush = [&] {
+    emit(done, done_row, std::min<int64_t>(16, done_n));
+    if (done_n > 16) emit(done + 16, done_row + 16, done_n - 16);
+  };
   for (int64_t i = 0; i < rows; i += 32) {
     const int64_t n = std::min<int64_t>(32, rows - i);
     const bool two = n > 16;
@@ -82,9 +79,16 @@ void amx_panel(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel, int6
         _tile_dpbf16ps(3, 5, 7);
       }
     }
-    emit_tiles(0, i, std::min<int64_t>(16, n), emit);
-    if (two) emit_tiles(2, i + 16, n - 16, emit);
+    if (done_n) flush();
+    tile_store(0, done[0], kPanel * sizeof(float));
+    tile_store(1, done[0] + kLanes, kPanel * sizeof(float));
+    if (two) {
+      tile_store(2, done[16], kPanel * sizeof(float));
+      tile_store(3, done[16] + kLanes, kPanel * sizeof(float));
+    }
+    done_row = i, done_n = n;
   }
+  if (done_n) flush();
 }
 
 }  // namespace tm
