@@ -21,66 +21,13 @@
 #include <cstring>
 
 #include "amx_tiles.h"
+#include "attention_amx_keys.h"
 
 namespace tm {
 
-constexpr int64_t kAmxKeys = 32;  // keys per value tile step: two 16-key score tiles
 constexpr int64_t kAmxBlock = 128;  // keys per softmax step (one copy of their K and V^T)
 constexpr int64_t kAmxGroup = 16;  // query rows per group (the lanes of a tile row)
 constexpr float kAmxNoMax = -1e30f;  // a row's maximum before any key (finite: no inf - inf)
-
-// dst[c][r] = src[r][c] for a 16 x 16 block of 32-bit values (rows ld_src / ld_dst apart)
-inline void transpose16(const uint32_t* src, int64_t ld_src, uint32_t* dst, int64_t ld_dst) {
-#ifdef TM_ISA_AMX
-  __m512i r[16], u[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * ld_src);
-  for (int i = 0; i < 16; i += 2) {  // 32-bit pairs
-    u[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    u[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // 64-bit pairs
-    r[i] = _mm512_unpacklo_epi64(u[i], u[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(u[i], u[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(u[i + 1], u[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(u[i + 1], u[i + 3]);
-  }
-  // r[4a + b] holds, in each 128-bit lane L, column 4L + b of rows 4a..4a+3: gather the
-  // lanes across the four row quads
-  for (int b = 0; b < 4; ++b) {
-    __m512i x0 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0x88), x1 = _mm512_shuffle_i32x4(r[b], r[4 + b], 0xdd);
-    __m512i x2 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0x88), x3 = _mm512_shuffle_i32x4(r[8 + b], r[12 + b], 0xdd);
-    u[b] = _mm512_shuffle_i32x4(x0, x2, 0x88);       // lane 0 of each quad: column b
-    u[8 + b] = _mm512_shuffle_i32x4(x0, x2, 0xdd);   // lane 2
-    u[4 + b] = _mm512_shuffle_i32x4(x1, x3, 0x88);   // lane 1
-    u[12 + b] = _mm512_shuffle_i32x4(x1, x3, 0xdd);  // lane 3
-  }
-  for (int c = 0; c < 16; ++c) _mm512_storeu_si512(dst + c * ld_dst, u[c]);
-#else
-  for (int i = 0; i < 16; ++i)
-    for (int c = 0; c < 16; ++c) dst[c * ld_dst + i] = src[i * ld_src + c];
-#endif
-}
-
-// keys [p, p + n) of KV head h (n <= kAmxBlock): K rows kr[n, rounded up to 64][D] (bf16; zero
-// past n) and, per 32 keys c, V^T as pairs of keys vt[c][D][16] (channel d: (v[2j][d],
-// v[2j + 1][d]) for j < 16)
-template <typename Task>
-void amx_load_keys(const Task& t, int64_t h, int64_t p, int64_t n, PrefillScratch& sc) {
-  const int64_t D = t.D, padded = (n + kAmxKeys - 1) / kAmxKeys * kAmxKeys, rows = (n + 63) / 64 * 64;
-  auto* kr = reinterpret_cast<bf16*>(sc.kp.data());
-  for (int64_t j = 0; j < n; ++j) std::memcpy(kr + j * D, t.kc + t.at(h, p + j), D * sizeof(bf16));
-  if (n < rows) std::memset(static_cast<void*>(kr + n * D), 0, (rows - n) * D * sizeof(bf16));
-  uint32_t* vp = sc.vp.data();  // [16][D] pairs of one 32-key chunk, then transposed
-  for (int64_t c = 0; c < padded; c += kAmxKeys) {
-    for (int64_t j = c; j < c + kAmxKeys; j += 2) {
-      uint32_t* dst = vp + (j - c) / 2 * D;
-      if (j < n) t.value_pair(t.vc + t.at(h, p + j), j + 1 < n ? t.vc + t.at(h, p + j + 1) : nullptr, dst);
-      else std::fill(dst, dst + D, 0u);
-    }
-    uint32_t* vt = sc.vt.data() + c / kAmxKeys * D * 16;
-    for (int64_t d0 = 0; d0 < D; d0 += 16) transpose16(vp + d0, D, vt + d0 * 16, 16);
-  }
-}
 
 // kLanes probabilities of rows for keys 2j and 2j + 1 (a, b) as bf16 pairs (a_r, b_r), rounded
 // to nearest even as values_dot rounds them
@@ -173,7 +120,6 @@ void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, Prefil
   const int64_t D = t.D, group = t.Hq / t.Hk, R = rows * group;
   const int64_t groups = (R + kAmxGroup - 1) / kAmxGroup, G = kAmxGroup;
   sc.qp.assign(groups * D / 2 * G, 0u);  // per group: q^T pairs [D/2][16]; rows past R zero
-  sc.kp.resize(kAmxBlock * D / 2), sc.vp.resize(kAmxKeys / 2 * D), sc.vt.resize(kAmxBlock / 2 * D);
   sc.s.resize(kAmxBlock * G), sc.pp.resize(kAmxBlock / 2 * G);
   sc.m.assign(groups * G, kAmxNoMax), sc.l.assign(groups * G, 0.f), sc.o.assign(groups * D * G, 0.f);
   for (int64_t r = 0; r < R; ++r) {  // row r: position i0 + r / group, head h * group + r % group
@@ -185,11 +131,12 @@ void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, Prefil
   AmxTiles tiles(true);
   const int64_t first = t.computed + i0, last = first + rows - 1;  // query positions
   float corr[kAmxGroup];
-  for (int64_t p = t.window > 0 ? std::max<int64_t>(0, first - t.window + 1) : 0, n; p <= last;
-       p += n) {
+  const AmxKeys& keys = *t.amx;
+  const int64_t start = t.window > 0 ? std::max<int64_t>(0, first - t.window + 1) : 0;
+  for (int64_t p = start - (start - keys.p0) % kAmxKeys, n; p <= last; p += n) {  // a chunk's start
     n = std::min(kAmxBlock, last + 1 - p);
-    amx_load_keys(t, h, p, n, sc);
-    const auto* kr = reinterpret_cast<const bf16*>(sc.kp.data());
+    const bf16* kr = keys.k_at(h, p);
+    const uint32_t* vt0 = keys.vt_at(h, p);
     // groups whose rows all come before the keys see none of them; with a window, groups
     // whose rows all come past it neither
     const int64_t g_first = std::max<int64_t>(0, p - first) * group / G;
@@ -249,7 +196,7 @@ void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, Prefil
         for (int u = 0; u < nt; ++u) tile_load(u, o + (c + u) * 16 * G, G * sizeof(float));
         for (int64_t k = 0; k < chunks; ++k) {  // V^T alternates between tiles 4 and 5
           _tile_loadd(6, pp + k * 16 * G, G * sizeof(uint32_t));
-          const uint32_t* vt = sc.vt.data() + (k * D + c * 16) * 16;
+          const uint32_t* vt = vt0 + (k * D + c * 16) * 16;
           const int64_t ld = 16 * sizeof(uint32_t);
           _tile_loadd(4, vt, ld);
           _tile_dpbf16ps(0, 4, 6);
@@ -275,12 +222,24 @@ void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, Prefil
       values(g, sc.pp.data());
     }
   }
-  for (int64_t r = 0; r < R; ++r) {  // O^T / l to the rows of out
-    const int64_t g = r / G, i = r % G;
-    bf16* dst = t.out + ((i0 + r / group) * t.Hq + h * group + r % group) * D;
-    const float inv = 1.f / sc.l[g * G + i];
-    const float* o = sc.o.data() + g * D * G + i;
-    for (int64_t d = 0; d < D; ++d) dst[d] = from_f<bf16>(o[d * G] * inv);
+  // O^T / l to the rows of out: per group, scaled by its rows' 1 / l in place, then 16 channels
+  // at a time transposed to the rows and rounded
+  alignas(64) uint32_t rows_out[16 * 16];
+  for (int64_t g = 0; g < groups; ++g) {
+    float* o = sc.o.data() + g * D * G;
+    for (int64_t u = 0; u < G; u += kLanes) {
+      const vec inv = vdiv(vset1(1.f), vload(sc.l.data() + g * G + u));
+      for (int64_t d = 0; d < D; ++d) vstore(o + d * G + u, vmul(vload(o + d * G + u), inv));
+    }
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      transpose16(reinterpret_cast<const uint32_t*>(o + d0 * G), G, rows_out, 16);
+      for (int64_t i = 0; i < G && g * G + i < R; ++i) {
+        const int64_t r = g * G + i;
+        bf16* dst = t.out + ((i0 + r / group) * t.Hq + h * group + r % group) * D + d0;
+        for (int64_t u = 0; u < 16; u += kLanes)
+          vstore(dst + u, vload(reinterpret_cast<const float*>(rows_out) + i * 16 + u));
+      }
+    }
   }
 }
 

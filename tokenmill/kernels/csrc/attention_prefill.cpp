@@ -12,6 +12,9 @@
 #include "kv_pages.h"
 #include "tm.h"
 #include "vec.h"
+#if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
+#include "attention_amx_keys.h"
+#endif
 
 namespace tm {
 
@@ -43,6 +46,9 @@ struct PrefillTask {
   T* out;
   const QuantPages *kq = nullptr, *vq = nullptr;  // quantized pages instead of kc, vc
   const int64_t* stage_table = nullptr;          // int4 K: each block's stage slot
+#ifdef TM_AMX_ATTENTION
+  const AmxKeys* amx = nullptr;  // the AMX path's keys, made once per call
+#endif
 
   static constexpr bool kDot =
 #ifdef TM_ISA_AVX512_BF16
@@ -126,7 +132,7 @@ struct PrefillTask {
   void run(int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc) const {
 #ifdef TM_AMX_ATTENTION
     if constexpr (std::is_same_v<T, bf16>)
-      if (!kq && D % 32 == 0) return amx_prefill_tile(*this, h, i0, rows, sc);
+      if (amx) return amx_prefill_tile(*this, h, i0, rows, sc);
 #endif
     const int64_t group = Hq / Hk, R = rows * group, Dp = this->Dp();
     const bool ints = int_pages();
@@ -239,7 +245,16 @@ struct PrefillTask {
 namespace tm {
 
 template <typename T>
-void prefill_attention(const PrefillTask<T>& t, int64_t n_new) {
+void prefill_attention(PrefillTask<T> t, int64_t n_new) {
+#ifdef TM_AMX_ATTENTION
+  thread_local AmxKeys keys;  // the caller's: the same buffers call after call
+  if constexpr (std::is_same_v<T, bf16>)
+    if (!t.kq && t.D % 32 == 0) {
+      keys.make(t, t.window > 0 ? std::max<int64_t>(0, t.computed - t.window + 1) : 0,
+                t.computed + n_new);
+      t.amx = &keys;
+    }
+#endif
   int64_t tiles = (n_new + kQueryTile - 1) / kQueryTile;
   parallel_dynamic(t.Hk * tiles, [&](int64_t i) {
     thread_local PrefillScratch sc;
