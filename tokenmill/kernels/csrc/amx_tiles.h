@@ -35,6 +35,18 @@ class AmxTiles {
   bool on_;
 };
 
+// Denormal float32 results flushed to zero and denormal inputs read as zero while it lives (on
+// this thread): the AMX softmax's 2^t underflows for probabilities far below a row's maximum,
+// and each denormal result would cost a microcode assist.
+class FlushDenormals {
+ public:
+  FlushDenormals() : csr_(_mm_getcsr()) { _mm_setcsr(csr_ | 0x8040); }  // FTZ | DAZ
+  ~FlushDenormals() { _mm_setcsr(csr_); }
+
+ private:
+  unsigned csr_;
+};
+
 // Accumulator tile t (0-3) to memory (the intrinsic takes the tile number as a literal).
 inline void tile_store(int t, void* p, int64_t stride) {
   switch (t) {

@@ -46,21 +46,31 @@ inline void amx_prob_pairs(vec a, vec b, uint32_t* out) {
 #endif
 }
 
-// 2^t for the softmax (t <= 0 up to rounding; -inf gives 0): a degree-5 fit of 2^f on [-0.5, 0.5]
-// (max. relative error 1.8e-7, as vexp's) times 2^round(t); t <= -126.5 gives 0 (exponent bits 0).
-// 2^0 is exactly 1 (the fit's constant term is 1), so a row whose maximum did not move keeps its
-// sum and output bit for bit however its group's rows fall (chunked prefill gives the same bits).
-// About half of vexp's instructions: no range reduction by ln 2, the scale folded into one FMA.
+// 2^t for the softmax (t <= 0 up to rounding; -inf gives 0): 2^floor(t) times a degree-5 fit of
+// 2^f on [0, 1) (max. relative error 1.7e-7 in float32, as vexp's 2e-7). On AMX CPUs f comes from
+// one VREDUCEPS and the power of two from one VSCALEFPS. 2^0 is exactly 1 (the fit's constant
+// term is 1), so a row whose maximum did not move keeps its sum and output bit for bit however
+// its group's rows fall (chunked prefill gives the same bits). About half of vexp's
+// instructions: no range reduction by ln 2, the scale folded into one FMA.
 inline vec amx_exp2(vec t) {
-  t = vmax(t, vset1(-127.f));
-  const vec n = vrint(t), f = vsub(t, n);
-  vec y = vset1(1.3218672248e-3f);
-  y = vfma(y, f, vset1(9.6716983244e-3f));
-  y = vfma(y, f, vset1(5.5508930236e-2f));
-  y = vfma(y, f, vset1(2.4022237957e-1f));
-  y = vfma(y, f, vset1(6.9314688444e-1f));
+#ifdef TM_ISA_AMX
+  t = _mm512_max_ps(t, _mm512_set1_ps(-160.f));  // 2^-160 rounds to 0
+  const vec f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // t - floor(t)
+#else
+  t = vmax(t, vset1(-127.f));  // exponent bits 0: 0
+  const vec n = vfloor(t), f = vsub(t, n);
+#endif
+  vec y = vset1(1.8670517020e-3f);
+  y = vfma(y, f, vset1(9.0171955526e-3f));
+  y = vfma(y, f, vset1(5.5799797177e-2f));
+  y = vfma(y, f, vset1(2.4016447365e-1f));
+  y = vfma(y, f, vset1(6.9315129519e-1f));
   y = vfma(y, f, vset1(1.f));
+#ifdef TM_ISA_AMX
+  return _mm512_scalef_ps(y, t);  // y x 2^floor(t)
+#else
   return vmul(y, vexp2i(n));
+#endif
 }
 
 // One group's online softmax over the keys [p, p + n): s[n][16] scores in, probabilities as
@@ -129,6 +139,7 @@ void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, Prefil
     for (int64_t d = 0; d < D / 2; ++d) dst[d * G] = src[d];
   }
   AmxTiles tiles(true);
+  FlushDenormals ftz;  // far-below-the-maximum probabilities: 0, not microcode assists
   const int64_t first = t.computed + i0, last = first + rows - 1;  // query positions
   float corr[kAmxGroup];
   const AmxKeys& keys = *t.amx;
