@@ -5,6 +5,7 @@
 //   kLanes                      float32 lanes per vector (8 on AVX2 / NEON / scalar, 16 on AVX-512)
 //   vzero vset1 vload vstore    vload widens bf16; vstore rounds to bf16 to nearest even
 //   vadd vsub vmul vdiv vmax vmin vfma(a, b, c) = a * b + c, vfnma = c - a * b, vfloor, vexp2i
+//   vexp vexp2 vrecip           e^x; 2^t; 1 / d (vfrac, vldexp: vexp2's parts)
 //   vsum vhmax vsum8            horizontal sum / max; eight sums of eight vectors at once
 //   vmask_eq vnan_mask vor vany comparisons for argmax
 //   vload_panel                 2 x kLanes weights of a GEMM panel (see gemm.cpp)
@@ -48,6 +49,27 @@ template <typename T> inline void vstore_part(T* p, vec v, int64_t n) {
   T tmp[kLanes];
   vstore(tmp, v);
   std::memcpy(p, tmp, n * sizeof(T));
+}
+
+#ifndef TM_VEC_LDEXP  // t - floor(t) and y x 2^floor(t) (floor(t) in the normal range); 1 / d
+inline vec vfrac(vec t) { return vsub(t, vfloor(t)); }
+inline vec vldexp(vec y, vec t) { return vmul(y, vexp2i(vfloor(t))); }
+inline vec vrecip(vec d) { return vdiv(vset1(1.f), d); }
+#endif
+
+// 2^t for t clamped to [lo, 126]: 2^floor(t) times a degree-5 fit of 2^f on [0, 1) whose
+// constant term is 1, so 2^0 is exactly 1 (max. relative error 1.7e-7 in float32, as vexp's).
+// lo = -127 gives 0 there (exponent bits 0; on AVX-512 a denormal, 0 under flushed denormals).
+inline vec vexp2(vec t, float lo = -126.f) {
+  t = vmin(vmax(t, vset1(lo)), vset1(126.f));
+  const vec f = vfrac(t);
+  vec y = vset1(1.8670517020e-3f);
+  y = vfma(y, f, vset1(9.0171955526e-3f));
+  y = vfma(y, f, vset1(5.5799797177e-2f));
+  y = vfma(y, f, vset1(2.4016447365e-1f));
+  y = vfma(y, f, vset1(6.9315129519e-1f));
+  y = vfma(y, f, vset1(1.f));
+  return vldexp(y, t);
 }
 
 // exp(x): Cephes' polynomial after range reduction (max rel. error ~2e-7).

@@ -24,6 +24,16 @@ inline vec vload(const bf16* p) {
   __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
 }
+#ifdef __AVX512BF16__  // one VCVTNEPS2BF16: round to nearest even (NaN stays NaN)
+inline vec vround_bf16(vec v) {
+  __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
+}
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
+inline void vstore(bf16* p, vec v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
+}
+#else
 inline vec vround_bf16(vec v) {
   __m512i b = _mm512_castps_si512(v);
   __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
@@ -35,6 +45,7 @@ inline void vstore(bf16* p, vec v) {
   __m512i b = _mm512_srli_epi32(_mm512_castps_si512(vround_bf16(v)), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
 }
+#endif
 
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
@@ -46,6 +57,15 @@ inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline vec vfnma(vec a, vec b, vec c) { return _mm512_fnmadd_ps(a, b, c); }
 inline vec vfloor(vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
 inline vec vrint(vec v) { return _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// t - floor(t) (one VREDUCEPS) and y x 2^floor(t) (one VSCALEFPS): vec.h's vexp2
+#define TM_VEC_LDEXP
+inline vec vfrac(vec t) { return _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline vec vldexp(vec y, vec t) { return _mm512_scalef_ps(y, t); }
+// 1 / d: VRCP14PS and one Newton step (within an ulp or two of the division, ~10x its throughput)
+inline vec vrecip(vec d) {
+  const vec r = _mm512_rcp14_ps(d);
+  return _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(1.f)), r);
+}
 inline vec vexp2i(vec n) {
   __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
   return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
