@@ -46,32 +46,11 @@ inline void amx_prob_pairs(vec a, vec b, uint32_t* out) {
 #endif
 }
 
-// 2^t for the softmax (t <= 0 up to rounding; -inf gives 0): 2^floor(t) times a degree-5 fit of
-// 2^f on [0, 1) (max. relative error 1.7e-7 in float32, as vexp's 2e-7). On AMX CPUs f comes from
-// one VREDUCEPS and the power of two from one VSCALEFPS. 2^0 is exactly 1 (the fit's constant
-// term is 1), so a row whose maximum did not move keeps its sum and output bit for bit however
-// its group's rows fall (chunked prefill gives the same bits). About half of vexp's
-// instructions: no range reduction by ln 2, the scale folded into one FMA.
-inline vec amx_exp2(vec t) {
-#ifdef TM_ISA_AMX
-  t = _mm512_max_ps(t, _mm512_set1_ps(-160.f));  // 2^-160 rounds to 0
-  const vec f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);  // t - floor(t)
-#else
-  t = vmax(t, vset1(-127.f));  // exponent bits 0: 0
-  const vec n = vfloor(t), f = vsub(t, n);
-#endif
-  vec y = vset1(1.8670517020e-3f);
-  y = vfma(y, f, vset1(9.0171955526e-3f));
-  y = vfma(y, f, vset1(5.5799797177e-2f));
-  y = vfma(y, f, vset1(2.4016447365e-1f));
-  y = vfma(y, f, vset1(6.9315129519e-1f));
-  y = vfma(y, f, vset1(1.f));
-#ifdef TM_ISA_AMX
-  return _mm512_scalef_ps(y, t);  // y x 2^floor(t)
-#else
-  return vmul(y, vexp2i(n));
-#endif
-}
+// A probability 2^t (t <= 0 up to rounding; -inf gives 0): vexp2, whose 2^0 is exactly 1, so a
+// row whose maximum did not move keeps its sum and output bit for bit however its group's rows
+// fall (chunked prefill gives the same bits). About half of vexp's instructions: no range
+// reduction by ln 2, the scale folded into one FMA.
+inline vec vexp2_prob(vec t) { return vexp2(t, -127.f); }
 
 // One group's online softmax over the keys [p, p + n): s[n][16] scores in, probabilities as
 // key pairs pp[n rounded up to 32, halved][16] out; m, l: the group's maxima and sums; corr:
@@ -100,12 +79,12 @@ bool amx_softmax(float* s, int64_t n, float scale, float* m, float* l, float* co
     const vec mx = vmax(mo, vmul(top, c));
     raised |= vmask_eq(mx, mo) != (1 << kLanes) - 1;
     vstore(m + u, mx);
-    vstore(corr + u, amx_exp2(vsub(mo, mx)));
+    vstore(corr + u, vexp2_prob(vsub(mo, mx)));
   }
   const int64_t padded = (n + kAmxKeys - 1) / kAmxKeys * kAmxKeys;
   for (int64_t u = 0; u < kAmxGroup; u += kLanes) {  // probabilities straight to their pairs
     const vec neg_mx = vsub(vzero(), vload(m + u));
-    auto prob = [&](int64_t j) { return amx_exp2(vfma(vload(s + j * kAmxGroup + u), c, neg_mx)); };
+    auto prob = [&](int64_t j) { return vexp2_prob(vfma(vload(s + j * kAmxGroup + u), c, neg_mx)); };
     vec sum = vmul(vload(l + u), vload(corr + u));
     int64_t j = 0;
     for (; j + 2 <= n; j += 2) {
