@@ -67,4 +67,14 @@ inline void tile_load(int t, const void* p, int64_t stride) {
   }
 }
 
+// Accumulator tile t (0-3) zeroed.
+inline void tile_clear(int t) {
+  switch (t) {
+    case 0: _tile_zero(0); break;
+    case 1: _tile_zero(1); break;
+    case 2: _tile_zero(2); break;
+    default: _tile_zero(3); break;
+  }
+}
+
 }  // namespace tm

@@ -108,14 +108,19 @@ template <typename Task>
 void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc) {
   const int64_t D = t.D, group = t.Hq / t.Hk, R = rows * group;
   const int64_t groups = (R + kAmxGroup - 1) / kAmxGroup, G = kAmxGroup;
-  sc.qp.assign(groups * D / 2 * G, 0u);  // per group: q^T pairs [D/2][16]; rows past R zero
-  sc.s.resize(kAmxBlock * G), sc.pp.resize(kAmxBlock / 2 * G);
-  sc.m.assign(groups * G, kAmxNoMax), sc.l.assign(groups * G, 0.f), sc.o.assign(groups * D * G, 0.f);
-  for (int64_t r = 0; r < R; ++r) {  // row r: position i0 + r / group, head h * group + r % group
-    const auto* src = reinterpret_cast<const uint32_t*>(
-        t.q + ((i0 + r / group) * t.Hq + h * group + r % group) * D);
-    uint32_t* dst = sc.qp.data() + r / G * D / 2 * G + r % G;
-    for (int64_t d = 0; d < D / 2; ++d) dst[d * G] = src[d];
+  sc.qp.resize(groups * D / 2 * G);  // per group: q^T pairs [D/2][16]; rows past R zero
+  sc.s.resize(kAmxBlock * G), sc.pp.resize(kAmxBlock / 2 * G), sc.vp.resize(G * D / 2);
+  sc.m.assign(groups * G, kAmxNoMax), sc.l.assign(groups * G, 0.f), sc.o.resize(groups * D * G);
+  sc.on.assign(groups, 0u);  // whether a group's O^T holds anything yet (else: zero tiles)
+  for (int64_t g = 0; g < groups; ++g) {  // row r: position i0 + r / group, head h * group + r % group
+    uint32_t* rows_in = sc.vp.data();  // the group's 16 rows of q, then transposed
+    for (int64_t i = 0; i < G; ++i) {
+      const int64_t r = g * G + i;
+      if (r < R) std::memcpy(rows_in + i * D / 2, t.q + ((i0 + r / group) * t.Hq + h * group + r % group) * D, D * sizeof(bf16));
+      else std::fill(rows_in + i * D / 2, rows_in + (i + 1) * D / 2, 0u);
+    }
+    for (int64_t d0 = 0; d0 < D / 2; d0 += 16)
+      transpose16(rows_in + d0, D / 2, sc.qp.data() + g * D / 2 * G + d0 * G, G);
   }
   AmxTiles tiles(true);
   FlushDenormals ftz;  // far-below-the-maximum probabilities: 0, not microcode assists
@@ -172,7 +177,7 @@ void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, Prefil
       const int64_t mask_lo = t.window > 0 ? 0 : first + r0 / group - p + 1;
       float* o = sc.o.data() + g * D * G;  // O^T [D][16]
       if (amx_softmax(s, seen, t.scale, sc.m.data() + r0, sc.l.data() + r0, corr, pp, mask_lo,
-                      visible))
+                      visible) && sc.on[g])
         for (int64_t d = 0; d < D; ++d)
           for (int64_t u = 0; u < G; u += kLanes)
             vstore(o + d * G + u, vmul(vload(o + d * G + u), vload(corr + u)));
@@ -183,7 +188,10 @@ void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, Prefil
       float* o = sc.o.data() + g * D * G;
       for (int64_t c = 0; c < D / 16; c += 4) {
         const int nt = static_cast<int>(std::min<int64_t>(4, D / 16 - c));
-        for (int u = 0; u < nt; ++u) tile_load(u, o + (c + u) * 16 * G, G * sizeof(float));
+        for (int u = 0; u < nt; ++u) {
+          if (sc.on[g]) tile_load(u, o + (c + u) * 16 * G, G * sizeof(float));
+          else tile_clear(u);
+        }
         for (int64_t k = 0; k < chunks; ++k) {  // V^T alternates between tiles 4 and 5
           _tile_loadd(6, pp + k * 16 * G, G * sizeof(uint32_t));
           const uint32_t* vt = vt0 + (k * D + c * 16) * 16;
@@ -205,6 +213,7 @@ void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, Prefil
         }
         for (int u = 0; u < nt; ++u) tile_store(u, o + (c + u) * 16 * G, G * sizeof(float));
       }
+      sc.on[g] = 1u;
     };
     for (int64_t g = g_first; g < g_end; ++g) {
       scores(g, sc.s.data());

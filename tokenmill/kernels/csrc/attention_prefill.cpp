@@ -23,6 +23,7 @@ constexpr int64_t kQueryTile = 32;  // query positions per task (x the GQA group
 struct PrefillScratch {
   std::vector<float> q, kt, v, s, m, l, o;
   std::vector<uint32_t> qp, kp, vp, pp, vt;  // bf16 pairs (the dot-product and AMX paths)
+  std::vector<uint32_t> on;  // the AMX path: whether a group's output holds anything yet
 #ifdef TM_PREFILL_INT
   IntTile it;  // int8 / int4 pages
 #endif
