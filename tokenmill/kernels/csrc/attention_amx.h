@@ -2,17 +2,18 @@
 // for an unquantized bf16 cache and a head size that is a multiple of 32 (included by
 // attention_prefill.cpp). Everything runs transposed, query rows (position x GQA head) in the
 // lanes, 16 rows to a group, so the online softmax is plain vector work with no horizontal
-// reductions. Keys go kAmxBlock at a time (one copy of their K rows and V^T for every group),
-// in tiles of 16 (scores) and 32 (values):
+// reductions. Keys go kAmxBlock at a time (a group's scores for all of them, then its softmax
+// step, then its output: fewer, longer phases measured faster than 128 keys at a time), in tiles
+// of 16 (scores) and 32 (values), read from the call's K rows and V^T pairs (AmxKeys):
 // - scores S^T (keys x rows): tiles 0-3 (16 keys x 16 rows each, float32) accumulate
-//   TDPBF16PS of the keys' rows (tiles 4 and 5, from a copy of the K rows) and the group's q as
-//   pairs (tile 6, transposed once per task);
+//   TDPBF16PS of the keys' rows (tiles 4 and 5) and the group's q as pairs (tile 6, transposed
+//   once per task);
 // - the online softmax: per key a vector of the rows' scores, scaled, masked (causal, window),
 //   the rows' maxima, sums and corrections as vectors;
 // - the probabilities, rounded to bf16 (as values_dot rounds them) and paired by key (tile 6),
-//   multiply V^T (tiles 4 and 5: 16 channels x 32 keys, the value pairs transposed once per
-//   block) into the group's float32 output O^T (channels x rows) in tiles 0-3, loaded from and
-//   stored back to the task's scratch.
+//   multiply V^T (tiles 4 and 5: 16 channels x 32 keys) into the group's float32 output O^T
+//   (channels x rows) in tiles 0-3, zeroed for its first block, else loaded from and stored back
+//   to the task's scratch.
 // Products of bf16 are exact in float32, as on the VDPBF16PS path; only the order of the sums
 // differs.
 #pragma once
@@ -25,7 +26,7 @@
 
 namespace tm {
 
-constexpr int64_t kAmxBlock = 128;  // keys per softmax step (one copy of their K and V^T)
+constexpr int64_t kAmxBlock = 512;  // keys per softmax step
 constexpr int64_t kAmxGroup = 16;  // query rows per group (the lanes of a tile row)
 constexpr float kAmxNoMax = -1e30f;  // a row's maximum before any key (finite: no inf - inf)
 
