@@ -160,7 +160,7 @@ def test_linear_dispatch_follows_the_plan(monkeypatch):
     lib = kernels.load_cpu_kernels()
     backend = KernelOps(lib)
     monkeypatch.setattr(backend.planner, "prepare",
-                        lambda w, b: PreparedLinear(lib.pack(w, b), 8, None))
+                        lambda w, b, gated=False: PreparedLinear(lib.pack(w, b), 8, None))
     with ops.building(backend):
         layer = Linear(24, [40])
     layer.weight.data = torch.randn(40, 24)

@@ -54,6 +54,49 @@ def test_linear(kops, dtype, rows, k):
     close(fp32, F.linear(x.float(), w.float()), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 9, 40])
+@pytest.mark.parametrize("k", [72, 3001])
+def test_gated_linear_is_linear_then_silu_mul(kops, dtype, rows, k):
+    """A gate|up weight packed gated gives silu_mul of the plain GEMM's output bit for bit
+    (with and without a bias), in every build; on AMX 40 rows take the tile path."""
+    torch.manual_seed(0)
+    lib = kops.lib
+    n = 4 * lib.panel_rows  # gate and up of two panels' width each
+    assert lib.can_gate(n) and not lib.can_gate(n + lib.panel_rows // 2)
+    x, w, b = torch.randn(rows, k).to(dtype), torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+    for bias in (None, b):
+        plain = lib.silu_mul(lib.linear(x, lib.pack(w, bias)))
+        gated = lib.linear(x, lib.pack(w, bias, gated=True))
+        assert gated.shape == (rows, n // 2) and torch.equal(gated, plain)
+    close(gated, ops.silu_mul_ref(F.linear(x, w, b)), dtype)
+
+
+def test_gated_layer_runs_its_act_in_the_gemm(kops):
+    """A gated gate|up Linear: linear_act gives the reference's silu_mul of the layer from
+    the gated pack's GEMM; the layer called alone still gives gate|up (PyTorch's GEMM)."""
+    from tokenmill.layers.linear import Linear
+
+    torch.manual_seed(3)
+    n = 2 * kops.lib.panel_rows
+    with ops.building(kops):
+        layer = Linear(48, [n // 2, n // 2])
+    layer.weight.data = torch.randn(n, 48).to(torch.bfloat16)
+    layer.gated = True
+    ran = []
+    real = kops.lib.linear
+    kops.lib.linear = lambda x, w, *a: ran.append(w.gated) or real(x, w, *a)
+    try:
+        x = torch.randn(5, 48).to(torch.bfloat16)
+        out = kops.linear_act(x, layer, "silu_mul")
+        both = layer(x)
+    finally:
+        kops.lib.linear = real
+    assert layer.prepared().packed.gated and ran == [True]  # layer(x): not the gated GEMM
+    close(out, ops.silu_mul_ref(F.linear(x, layer.weight)), torch.bfloat16)
+    close(both, F.linear(x, layer.weight), torch.bfloat16)
+
+
 def expected_pack(w: torch.Tensor, isa: str, nr: int) -> torch.Tensor:
     """The panel layouts gemm.cpp documents, built element by element."""
     n, k = w.shape

@@ -106,8 +106,9 @@ class GemmPlanner:
     def for_lib(lib: KernelLib) -> GemmPlanner:
         return GemmPlanner(lib)
 
-    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None) -> PreparedLinear:
-        packed = self.lib.pack(weight, bias)
+    def prepare(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                gated: bool = False) -> PreparedLinear:
+        packed = self.lib.pack(weight, bias, gated)
         mode = forced()
         if mode:
             return PreparedLinear(packed, NEVER if mode == "packed" else 1, None)
@@ -115,7 +116,7 @@ class GemmPlanner:
         return PreparedLinear(packed, times.torch_from_rows(), times)
 
     def times(self, weight, bias, packed: PackedLinear) -> GemmTimes:
-        shape = f"{weight.shape[0]}x{weight.shape[1]}"
+        shape = f"{weight.shape[0]}x{weight.shape[1]}" + (" silu_mul" if packed.gated else "")
         return self.cached(f"{weight.dtype}|{shape}", f"GEMM {shape} {weight.dtype}",
                            lambda: measure(self.lib, weight, bias, packed))
 
@@ -149,7 +150,12 @@ class GemmPlanner:
 
 def measure(lib: KernelLib, weight, bias, packed: PackedLinear) -> GemmTimes:
     """Both GEMMs at each ladder row count, up to the count where one call would take more
-    than MAX_CALL_S."""
+    than MAX_CALL_S; a gated pack (silu_mul in its GEMM) against PyTorch's GEMM and the
+    silu_mul kernel after it."""
+    def theirs(x):
+        y = F.linear(x, weight, bias)
+        return lib.silu_mul(y) if packed.gated else y
+
     times = GemmTimes([], [], [])
     for rows in ROWS:
         if times.rows and max(times.packed[-1], times.torch[-1]) * rows / times.rows[-1] \
@@ -158,7 +164,7 @@ def measure(lib: KernelLib, weight, bias, packed: PackedLinear) -> GemmTimes:
         x = torch.randn(rows, weight.shape[1], device=weight.device).to(weight.dtype)
         times.rows.append(rows)
         times.packed.append(best_time(lambda x=x: lib.linear(x, packed)))
-        times.torch.append(best_time(lambda x=x: F.linear(x, weight, bias)))
+        times.torch.append(best_time(lambda x=x: theirs(x)))
     return times
 
 

@@ -18,13 +18,14 @@ from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check,
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 11
+ABI_VERSION = 12
 _P, _I = c_void_p, c_int64
 
 
 class Linear(ctypes.Structure):
     _fields_ = [("packed", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64),
-                ("quant", ctypes.c_int32), ("row_invariant", ctypes.c_int32)]
+                ("quant", ctypes.c_int32), ("row_invariant", ctypes.c_int32),
+                ("gated", ctypes.c_int32)]
 
 
 class Layer(ctypes.Structure):
@@ -94,9 +95,10 @@ class PackedLinear:
     points to."""
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
-                 bits: int = 0):
+                 bits: int = 0, gated: bool = False):
         self.packed, self.bias, self.n, self.k, self.bits = packed, bias, n, k, bits
-        self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k, bits)
+        self.gated = gated  # gate|up interleaved: linear() gives silu(gate) x up (pack)
+        self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k, bits, 0, int(gated))
 
 
 class KernelLib(KVPageCalls, ElementwiseCalls):
@@ -127,17 +129,32 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
             self._threads = n
 
     # ---- GEMM -------------------------------------------------------------------------------
-    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
-        """(n, k) float32/bfloat16 weight -> this build's panel layout."""
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+             gated: bool = False) -> PackedLinear:
+        """(n, k) float32/bfloat16 weight -> this build's panel layout. gated: the weight is
+        gate | up of n / 2 rows each, packed interleaved half a panel at a time so that
+        linear() returns silu(gate) x up, (m, n / 2), with the rounding of running silu_mul
+        on the plain product (can_gate says whether n allows it)."""
         _check(weight.dim() == 2 and weight.dtype in DTYPES, "pack: 2-D float32/bf16 weight")
-        w = weight.detach().contiguous()
+        _check(not gated or self.can_gate(weight.shape[0]), "pack: gated needs n / 2 in whole "
+               "half panels")
+        w = weight.detach()
+        if gated:  # rows: gate[0:h], up[0:h], gate[h:2h], up[h:2h], ... with h half a panel
+            h = self.panel_rows // 2
+            w = w.view(2, -1, h, w.shape[1]).transpose(0, 1).reshape(w.shape)
+            if bias is not None:
+                bias = bias.detach().view(2, -1, h).transpose(0, 1).reshape(-1)
+        w = w.contiguous()
         n, k = w.shape
         dt = DTYPES[w.dtype]
         packed = torch.empty(self._lib.tm_packed_numel(dt, n, k), dtype=w.dtype, device=w.device)
         self._sync_threads()
         self._lib.tm_pack_weight(dt, w.data_ptr(), n, k, packed.data_ptr())
         b = None if bias is None else bias.detach().float().contiguous()
-        return PackedLinear(packed, b, n, k)
+        return PackedLinear(packed, b, n, k, gated=gated)
+
+    def can_gate(self, n: int) -> bool:
+        return n % self.panel_rows == 0
 
     def qpack(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
               bias: torch.Tensor | None = None) -> PackedLinear:
@@ -168,13 +185,14 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         return out
 
     def linear(self, x: torch.Tensor, w: PackedLinear, out_fp32: bool = False) -> torch.Tensor:
-        """x (m, k) @ w.T + bias, in x's dtype (float32 with out_fp32: from the accumulators)."""
+        """x (m, k) @ w.T + bias, in x's dtype (float32 with out_fp32: from the accumulators);
+        for a gated weight silu(gate) x up of that (pack)."""
         _check(x.dim() == 2 and x.shape[1] == w.k and x.dtype in DTYPES
                and (w.bits or x.dtype == w.packed.dtype),
                f"linear: x {tuple(x.shape)} {x.dtype} vs weight ({w.n}, {w.k}) {w.packed.dtype}")
         x = x.contiguous()
-        out = torch.empty(x.shape[0], w.n, dtype=torch.float32 if out_fp32 else x.dtype,
-                          device=x.device)
+        out = torch.empty(x.shape[0], w.n // 2 if w.gated else w.n,
+                          dtype=torch.float32 if out_fp32 else x.dtype, device=x.device)
         self._sync_threads()
         self._lib.tm_linear_fwd(DTYPES[x.dtype], x.data_ptr(), x.shape[0], ctypes.byref(w.struct),
                                 DTYPES[out.dtype], out.data_ptr())

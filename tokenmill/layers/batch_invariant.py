@@ -33,7 +33,7 @@ class BatchInvariantOps(KernelOps):
         super().__init__(lib)
         self.name = f"kernels ({lib.isa}, batch-invariant)"
 
-    def prepare_linear(self, weight, bias):
+    def prepare_linear(self, weight, bias, gated=False):  # never gated: one GEMM path only
         from tokenmill.kernels.gemm_plan import NEVER, PreparedLinear
 
         q = getattr(weight, "quant", None)

@@ -45,7 +45,7 @@ class KernelOps(TorchOps):
     def silu_mul(self, x):
         return self.lib.silu_mul(x) if self.fits(x) else super().silu_mul(x)
 
-    def prepare_linear(self, weight, bias):
+    def prepare_linear(self, weight, bias, gated=False):
         from tokenmill.kernels.gemm_plan import NEVER, PreparedLinear
         from tokenmill.kernels.lib import PackedLinear
 
@@ -55,7 +55,7 @@ class KernelOps(TorchOps):
             return PreparedLinear(PackedLinear(q.packed, b, q.n, q.k, q.bits), NEVER, None)
         if weight.device.type != "cpu" or weight.dtype not in KERNEL_DTYPES or weight.dim() != 2:
             return None
-        return self.planner.prepare(weight, bias)
+        return self.planner.prepare(weight, bias, gated and self.lib.can_gate(weight.shape[0]))
 
     @property
     def quantized_kernels(self) -> bool:
@@ -74,9 +74,19 @@ class KernelOps(TorchOps):
         prepared = layer.prepared() if self.fits(x) and x.dim() == 2 else None
         quantized = prepared is not None and prepared.packed.bits
         if prepared is None or (x.dtype != layer.weight.dtype and not quantized) or (
-                not out_fp32 and x.shape[0] >= prepared.torch_from_rows):
+                not out_fp32 and x.shape[0] >= prepared.torch_from_rows) or prepared.packed.gated:
             return super().linear(x, layer, out_fp32)
         return self.lib.linear(x, prepared.packed, out_fp32)
+
+    def linear_act(self, x, layer, act):
+        """silu_mul of a gate|up layer straight from the packed GEMM (a gated pack: one pass,
+        the product never stored) where the planner picked the packed kernel; otherwise the
+        layer and then act."""
+        prepared = layer.prepared() if self.fits(x) and x.dim() == 2 else None
+        if (prepared is not None and prepared.packed.gated and act == "silu_mul"
+                and x.dtype == layer.weight.dtype and x.shape[0] < prepared.torch_from_rows):
+            return self.lib.linear(x, prepared.packed)
+        return super().linear_act(x, layer, act)
 
     def decode_attention(self, q, k_cache, v_cache, block_tables, seq_lens, window, scale):
         d = q.shape[-1]

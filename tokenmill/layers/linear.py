@@ -43,6 +43,9 @@ class Linear(nn.Module):
         self.input_perm: torch.Tensor | None = None  # input columns' order (act-order GPTQ)
         self._shards: dict = {}  # checkpoint parts received while a quantized weight assembles
         self._prepared: tuple[tuple, object] | None = None
+        # a gate|up layer whose output only ever feeds silu_mul (ops.linear_act): the op
+        # implementation may pack it so that its GEMM applies silu_mul as it stores
+        self.gated = False
         # tensor parallelism (distributed/parallelize.py): (group, "reduce", None) sums the
         # ranks' partial outputs; (group, "gather", vocab) concatenates their vocabulary slices
         self.tp: tuple | None = None
@@ -88,7 +91,8 @@ class Linear(nn.Module):
         is replaced or written in place."""
         key = tuple((t.data_ptr(), t._version) for t in (self.weight, self.bias) if t is not None)
         if self._prepared is None or self._prepared[0] != key:
-            self._prepared = (key, self.ops.prepare_linear(self.weight, self.bias))
+            gated = self.gated and self.tp is None and self.input_perm is None
+            self._prepared = (key, self.ops.prepare_linear(self.weight, self.bias, gated))
         return self._prepared[1]
 
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:

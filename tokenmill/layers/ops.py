@@ -76,9 +76,15 @@ class TorchOps:
     def gelu_tanh_mul(self, x: torch.Tensor) -> torch.Tensor:
         return gelu_tanh_mul_ref(x)
 
-    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        """What this implementation precomputes for a weight (packed panels); None here."""
+    def prepare_linear(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                       gated: bool = False):
+        """What this implementation precomputes for a weight (packed panels; gated: a gate|up
+        weight whose GEMM may also apply silu_mul, see linear_act); None here."""
         return None
+
+    def linear_act(self, x: torch.Tensor, layer, act: str) -> torch.Tensor:
+        """act (an op name: silu_mul, gelu_tanh_mul) of a gate|up layer's output."""
+        return getattr(self, act)(layer(x))
 
     # quantized weights (tokenmill/quantization): the reference keeps the BlockQuant and
     # dequantizes it for every use

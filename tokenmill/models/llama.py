@@ -77,10 +77,12 @@ class LlamaMLP(nn.Module):
         inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, [inter, inter], cfg.mlp_bias)
         self.down_proj = Linear(inter, [cfg.hidden_size], cfg.mlp_bias)
-        self.act = getattr(ops.current(), GATED_ACTIVATIONS[cfg.hidden_act])
+        self.act = GATED_ACTIVATIONS[cfg.hidden_act]
+        self.gate_up_proj.gated = self.act == "silu_mul"  # the GEMM may apply it (linear_act)
+        self.ops = ops.current()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj(self.ops.linear_act(x, self.gate_up_proj, self.act))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -107,11 +107,15 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
     } else {
       tm_rms_norm(dt, res, w.post_norm, h, x, B, H, m.eps);  // res += attention output
     }
-    tm_linear_fwd(dt, x, B, &w.gate_up, dt, gu);
-    if (m.act == TM_ACT_GELU_TANH)
-      tm_gelu_tanh_mul(dt, gu, act, B, I);
-    else
-      tm_silu_mul(dt, gu, act, B, I);
+    if (w.gate_up.gated) {  // silu(gate) x up straight from the GEMM
+      tm_linear_fwd(dt, x, B, &w.gate_up, dt, act);
+    } else {
+      tm_linear_fwd(dt, x, B, &w.gate_up, dt, gu);
+      if (m.act == TM_ACT_GELU_TANH)
+        tm_gelu_tanh_mul(dt, gu, act, B, I);
+      else
+        tm_silu_mul(dt, gu, act, B, I);
+    }
     tm_linear_fwd(dt, act, B, &w.down, dt, h);
     if (w.post_ffn_norm) {
       tm_rms_norm(dt, h, w.post_ffn_norm, nullptr, x, B, H, m.eps);

@@ -40,10 +40,13 @@ struct Prefetch {
   }
 };
 
-// out[i, 0:cols] = tile[i] (+ bias) for MR rows: whole panels as vectors, the last one lane by lane
+// out[i, 0:cols] = tile[i] (+ bias) for MR rows: whole panels as vectors, the last one lane by lane.
+// gated (a weight packed with gate and up rows interleaved kLanes at a time, whole panels): the
+// panel's columns are kLanes of gate, then the same kLanes of up, and out[i, 0:kLanes] =
+// silu(gate) x up, each rounded to O as storing both and running silu_mul would round them.
 template <int MR, typename O>
 void store_tile(const float (&tile)[MR][kPanel], const float* bias, O* out, int64_t ldo,
-                int64_t cols) {
+                int64_t cols, bool gated) {
   for (int i = 0; i < MR; ++i) {
     O* o = out + i * ldo;
     if (cols == kPanel) {
@@ -51,6 +54,10 @@ void store_tile(const float (&tile)[MR][kPanel], const float* bias, O* out, int6
       if (bias) {
         lo = vadd(lo, vload(bias));
         hi = vadd(hi, vload(bias + kLanes));
+      }
+      if (gated) {
+        vstore(o, vsilu_mul<O>(vrnd<O>(lo), vrnd<O>(hi)));
+        continue;
       }
       vstore(o, lo);
       vstore(o + kLanes, hi);
@@ -63,7 +70,7 @@ void store_tile(const float (&tile)[MR][kPanel], const float* bias, O* out, int6
 // out[i, 0:cols] = x[i, :] . panel (+ bias) for MR float32 input rows (stride ldx), one panel.
 template <int MR, typename W, typename O>
 void micro(const float* x, int64_t ldx, const W* panel, int64_t K, const float* bias, O* out,
-           int64_t ldo, int64_t cols, Prefetch pre) {
+           int64_t ldo, int64_t cols, bool gated, Prefetch pre) {
   // Few rows (decode): a second accumulator set for odd k keeps enough FMA chains in flight.
   constexpr bool kTwoSets = MR <= 3;
   vec c[MR][2], d[MR][2];
@@ -103,7 +110,7 @@ void micro(const float* x, int64_t ldx, const W* panel, int64_t K, const float* 
     vstore(tile[i], kTwoSets ? vadd(c[i][0], d[i][0]) : c[i][0]);
     vstore(tile[i] + kLanes, kTwoSets ? vadd(c[i][1], d[i][1]) : c[i][1]);
   }
-  store_tile<MR>(tile, bias, out, ldo, cols);
+  store_tile<MR>(tile, bias, out, ldo, cols, gated);
 }
 
 // Bytes of input rows a row block keeps in L2 while every panel streams past it: half of a
@@ -152,25 +159,28 @@ namespace tm {
 template <int R, typename X, typename W, typename O, template <int, typename, typename> class M>
 struct Tiles {
   static void run(int64_t rows, const X* x, int64_t ldx, const W* panel, int64_t K,
-                  const float* bias, O* out, int64_t ldo, int64_t cols, Prefetch pre) {
-    if (rows >= R) return M<R, W, O>::run(x, ldx, panel, K, bias, out, ldo, cols, pre);
-    if constexpr (R > 1) Tiles<R - 1, X, W, O, M>::run(rows, x, ldx, panel, K, bias, out, ldo, cols, pre);
+                  const float* bias, O* out, int64_t ldo, int64_t cols, bool gated, Prefetch pre) {
+    if (rows >= R) return M<R, W, O>::run(x, ldx, panel, K, bias, out, ldo, cols, gated, pre);
+    if constexpr (R > 1)
+      Tiles<R - 1, X, W, O, M>::run(rows, x, ldx, panel, K, bias, out, ldo, cols, gated, pre);
   }
 };
 template <int MR, typename W, typename O> struct Fma {
   static void run(const float* x, int64_t ldx, const W* panel, int64_t K, const float* bias,
-                  O* out, int64_t ldo, int64_t cols, Prefetch pre) {
-    micro<MR, W, O>(x, ldx, panel, K, bias, out, ldo, cols, pre);
+                  O* out, int64_t ldo, int64_t cols, bool gated, Prefetch pre) {
+    micro<MR, W, O>(x, ldx, panel, K, bias, out, ldo, cols, gated, pre);
   }
 };
 
 // Blocks of input rows sized to stay in a core's L2 while every panel streams past them; work
 // items are (row block, panel) pairs, so a decode batch splits by panels and a prefill chunk by
 // row blocks. The first row tile of a panel streams it from memory with a prefetch 4 KiB ahead;
-// later tiles find it cached and prefetch the next panel meanwhile, in equal shares.
+// later tiles find it cached and prefetch the next panel meanwhile, in equal shares. gated: out
+// has N / 2 columns (store_tile).
 template <int MR, template <int, typename, typename> class M, typename X, typename W, typename O>
 void gemm_packed(const X* x, const W* w, int64_t panel_elems, const float* bias, O* out,
-                 int64_t Mrows, int64_t N, int64_t K, bool row_invariant) {
+                 int64_t Mrows, int64_t N, int64_t K, bool row_invariant, bool gated) {
+  const int64_t ldo = gated ? N / 2 : N;
   const int64_t tile_rows = row_invariant ? 1 : MR;
   int64_t panels = (N + kPanel - 1) / kPanel, bytes = panel_elems * sizeof(W);
   const RowBlocks rb(Mrows, K, MR, sizeof(X));
@@ -191,7 +201,8 @@ void gemm_packed(const X* x, const W* w, int64_t panel_elems, const float* bias,
                               : Prefetch{next + (j - 1) * share, next + std::min(ahead, j * share)};
         int64_t m = m0 + j * tile_rows;
         Tiles<MR, X, W, O, M>::run(std::min<int64_t>(tile_rows, m1 - m), x + m * K, K, panel, K,
-                                   bias ? bias + n0 : nullptr, out + m * N + n0, N, cols, pre);
+                                   bias ? bias + n0 : nullptr, out + m * ldo + (gated ? n0 / 2 : n0),
+                                   ldo, cols, gated, pre);
       }
     }
   });
@@ -239,12 +250,12 @@ void linear_typed(int dtype, const void* x, int64_t m, const tm_linear* w, O* ou
   if (dtype == TM_F32) {
     return gemm_packed<kTileRows, Fma>(static_cast<const float*>(x),
                                        static_cast<const float*>(w->packed), panel_elems, w->bias,
-                                       out, m, N, K, w->row_invariant);
+                                       out, m, N, K, w->row_invariant, w->gated);
   }
   const bf16* xb = static_cast<const bf16*>(x);
   const bf16* wb = static_cast<const bf16*>(w->packed);
 #ifdef TM_ISA_AVX512_BF16
-  return gemm_dot(xb, wb, panel_elems, w->bias, out, m, N, K, w->row_invariant);
+  return gemm_dot(xb, wb, panel_elems, w->bias, out, m, N, K, w->row_invariant, w->gated);
 #else
   thread_local std::vector<float> xf;  // the FMA tiles broadcast float32 inputs
   xf.resize(m * K);
@@ -253,7 +264,7 @@ void linear_typed(int dtype, const void* x, int64_t m, const tm_linear* w, O* ou
     for (int64_t i = r0 * K; i < r1 * K; ++i) xp[i] = to_f(xb[i]);
   });
   gemm_packed<kTileRows, Fma>(static_cast<const float*>(xp), wb, panel_elems, w->bias, out, m, N,
-                              K, w->row_invariant);
+                              K, w->row_invariant, w->gated);
 #endif
 }
 

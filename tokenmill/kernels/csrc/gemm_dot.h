@@ -68,7 +68,8 @@ void micro_dot_rows(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel,
 // every row tile accumulates into a float32 scratch, stored to out after the last chunk.
 template <typename O>
 void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bias, O* out,
-              int64_t M, int64_t N, int64_t K, bool row_invariant) {
+              int64_t M, int64_t N, int64_t K, bool row_invariant, bool gated) {
+  const int64_t ldo = gated ? N / 2 : N;  // gated: see store_tile
   constexpr int MR = kDotTileRows;
   const int64_t tile_rows = row_invariant ? 1 : MR;
   const int64_t panels = (N + kPanel - 1) / kPanel, pairs = K / 2, total = (K + 1) / 2;
@@ -98,7 +99,7 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
       auto store_rows = [&](const float (*res)[kPanel], int64_t r0, int64_t n) {
         for (int64_t i = 0; i < n; ++i) {  // out[m0 + r0 + i, n0:n0 + cols] (+ bias)
           const float (&row)[1][kPanel] = *reinterpret_cast<const float(*)[1][kPanel]>(res + i);
-          store_tile<1>(row, b, out + (m0 + r0 + i) * N + n0, N, cols);
+          store_tile<1>(row, b, out + (m0 + r0 + i) * ldo + (gated ? n0 / 2 : n0), ldo, cols, gated);
         }
       };
 #ifdef TM_ISA_AMX

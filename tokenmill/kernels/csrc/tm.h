@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 11
+#define TM_ABI_VERSION 12
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -30,6 +30,9 @@ typedef struct {
   /* 1: every input row is computed as a lone row is (the one-row micro-kernel), so a row's
    * result does not depend on the rows batched with it (batch-invariant mode) */
   int32_t row_invariant;
+  /* 1: the rows were packed gate and up interleaved, tm_panel_rows() / 2 at a time (n: both);
+   * the output is silu(gate) x up, (m, n / 2) */
+  int32_t gated;
 } tm_linear;
 
 /* One decoder layer, named as in models/llama.py. Norm weights are in the model's dtype;

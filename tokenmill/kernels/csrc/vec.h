@@ -72,6 +72,13 @@ inline vec vexp2(vec t, float lo = -126.f) {
   return vldexp(y, t);
 }
 
+// silu(g) x u as a T tensor would hold it: silu(g) = g / (1 + 2^(-g log2 e)) rounded to T, times
+// u (the caller rounds the product as it stores it)
+template <typename T> inline vec vsilu_mul(vec g, vec u) {
+  const vec e = vexp2(vmul(g, vset1(-1.44269504088896341f)));
+  return vmul(vrnd<T>(vmul(g, vrecip(vadd(vset1(1.f), e)))), u);
+}
+
 // exp(x): Cephes' polynomial after range reduction (max rel. error ~2e-7).
 inline vec vexp(vec x) {
   x = vmin(vmax(x, vset1(-87.3f)), vset1(88.3f));
