@@ -29,7 +29,6 @@ inline vec vround_bf16(vec v) {
   __m512i b = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v));
   return _mm512_castsi512_ps(_mm512_slli_epi32(b, 16));
 }
-inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline void vstore(bf16* p, vec v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(v));
 }
@@ -40,12 +39,12 @@ inline vec vround_bf16(vec v) {
   b = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   return _mm512_castsi512_ps(_mm512_and_si512(b, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
-inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline void vstore(bf16* p, vec v) {
   __m512i b = _mm512_srli_epi32(_mm512_castps_si512(vround_bf16(v)), 16);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(b));
 }
 #endif
+inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 
 inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 inline vec vsub(vec a, vec b) { return _mm512_sub_ps(a, b); }
