@@ -71,3 +71,28 @@ def test_amx_path_is_bf16_whole_tiles_only(emulated):
         before = tile_ops(emulated)
         emulated.prefill_attention(q, cache.k[0][0], cache.v[0][0], table, 0, None, 0.1)
         assert tile_ops(emulated) == before
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_amx_quantized_gemm_matches_the_vector_tiles(emulated, bits):
+    """64 or more rows of a block-quantized GEMM run on int8 tiles (quant_amx.h): per block
+    the exact integer sums, scaled as the vector tiles scale theirs, so a row's output equals
+    the one-row call's (4 and 5 bits; AVX2 treats 8-bit codes as signed, another rounding)."""
+    from tests.test_quant_kernels import random_bq
+    from tokenmill.quantization import linear_ref
+
+    bq = random_bq(45, 128, bits, seed=3)  # 3 groups, the last partial; 4 blocks
+    bias = torch.randn(45, generator=torch.Generator().manual_seed(3))
+    layer = emulated.qpack(bq.codes, bq.d, bq.m, bits, bias)
+    x = torch.randn(70, 128).to(torch.bfloat16)  # 5 row tiles, the last partial
+    before = tile_ops(emulated)
+    many = emulated.linear(x, layer, out_fp32=True)
+    assert tile_ops(emulated) > before  # the tile path ran
+    alone = torch.cat([emulated.linear(x[i:i + 1], layer, out_fp32=True) for i in range(70)])
+    if bits != 8:
+        assert torch.equal(many, alone)
+    want = linear_ref(x, bq, bias)
+    assert (many - want).abs().max().item() < 2e-5 * want.abs().max().item()
+    before = tile_ops(emulated)
+    emulated.linear(x[:63], layer)  # fewer rows: the vector tiles
+    assert tile_ops(emulated) == before

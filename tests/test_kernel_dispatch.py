@@ -52,6 +52,8 @@ def test_amx_needs_the_cpu_features_and_the_os(monkeypatch):
     monkeypatch.setattr(isa, "os_allows_amx", lambda: True)
     feats["amx_bf16"] = False
     assert isa.supported_isas()[0] == "avx512_bf16"
+    feats["amx_bf16"], feats["amx_int8"] = True, False  # the quantized GEMM's tiles
+    assert isa.supported_isas()[0] == "avx512_bf16"
 
 
 def test_arm_runs_neon_then_scalar(monkeypatch):

@@ -1,7 +1,8 @@
 // The AMX tile intrinsics (palette 1) in plain C++, force-included into a build of the kernels
 // for a CPU without AMX (tests/test_amx_emulated.py): the tile code's layouts, strides and
 // masking then run on any machine. TDPBF16PS is emulated as the manual states it: per output
-// element, for each k pair, the two bf16 products added in float32 to the accumulator.
+// element, for each k pair, the two bf16 products added in float32 to the accumulator; TDPBSUD
+// as exact int32 sums of signed x unsigned bytes.
 #pragma once
 
 #include <immintrin.h>
@@ -15,6 +16,7 @@
 #undef _tile_stored
 #undef _tile_zero
 #undef _tile_dpbf16ps
+#undef _tile_dpbsud
 
 // TDPBF16PS executed (a test checks the tiles ran); defined weak in every source file
 extern "C" __attribute__((visibility("default"), weak)) int64_t tm_emulated_tile_ops = 0;
@@ -89,6 +91,24 @@ inline void dpbf16ps(int c, int a, int b) {
   __atomic_add_fetch(&tm_emulated_tile_ops, 1, __ATOMIC_RELAXED);
 }
 
+// TDPBSUD: per output element, the int32 sum of signed (A) x unsigned (B) byte products.
+inline void dpbsud(int c, int a, int b) {
+  check(configured);
+  const Tile &A = tiles[a], &B = tiles[b];
+  Tile& C = tiles[c];
+  const int M = A.rows, K = A.colsb / 4, N = B.colsb / 4;
+  check(B.rows == K && C.rows == M && C.colsb == 4 * N);
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < N; ++n) {
+      int32_t acc;
+      std::memcpy(&acc, C.data[m] + 4 * n, 4);
+      for (int k = 0; k < 4 * K; ++k)
+        acc += static_cast<int8_t>(A.data[m][k]) * static_cast<int32_t>(B.data[k / 4][4 * n + k % 4]);
+      std::memcpy(C.data[m] + 4 * n, &acc, 4);
+    }
+  __atomic_add_fetch(&tm_emulated_tile_ops, 1, __ATOMIC_RELAXED);
+}
+
 }  // namespace tm_amx_emulation
 
 #define _tile_loadconfig(cfg) tm_amx_emulation::loadconfig(cfg)
@@ -97,3 +117,4 @@ inline void dpbf16ps(int c, int a, int b) {
 #define _tile_stored(t, p, stride) tm_amx_emulation::store(t, p, stride)
 #define _tile_zero(t) tm_amx_emulation::zero(t)
 #define _tile_dpbf16ps(c, a, b) tm_amx_emulation::dpbf16ps(c, a, b)
+#define _tile_dpbsud(c, a, b) tm_amx_emulation::dpbsud(c, a, b)

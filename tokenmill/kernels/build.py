@@ -18,10 +18,11 @@ CSRC = Path(__file__).parent / "csrc"
 
 # Best first. The x86 flags name exactly the extensions each vector layer uses (vec_*.h).
 ISA_FLAGS = {
-    # the AVX512-BF16 build plus AMX tiles for its bf16 GEMM (gemm_amx.h)
+    # the AVX512-BF16 build plus AMX tiles: bf16 for the GEMM and prefill attention
+    # (gemm_amx.h, attention_amx.h), int8 for the quantized GEMM's many-row calls (quant_amx.h)
     "amx": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
             "-mavx512vnni", "-mavx2", "-mfma", "-mf16c", "-mamx-tile", "-mamx-bf16",
-            "-DTM_ISA_AVX512_BF16"],
+            "-mamx-int8", "-DTM_ISA_AVX512_BF16"],
     "avx512_bf16": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16",
                     "-mavx512vnni", "-mavx2", "-mfma", "-mf16c"],
     "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma",

@@ -14,7 +14,7 @@ from tokenmill.kernels.build import isas_for, machine_arch
 
 # The x86 extensions each build's flags enable (build.ISA_FLAGS), as cpuinfo names them.
 NEEDS = {
-    "amx": ("amx_tile", "amx_bf16", "avx512_f", "avx512_bw", "avx512_vl", "avx512_dq",
+    "amx": ("amx_tile", "amx_bf16", "amx_int8", "avx512_f", "avx512_bw", "avx512_vl", "avx512_dq",
             "avx512_bf16", "avx512_vnni", "avx2", "fma3", "f16c"),
     "avx512_bf16": ("avx512_f", "avx512_bw", "avx512_vl", "avx512_dq", "avx512_bf16",
                     "avx512_vnni", "avx2", "fma3", "f16c"),
@@ -22,7 +22,7 @@ NEEDS = {
     "avx2": ("avx2", "fma3", "f16c"),
 }
 DESCRIPTIONS = {
-    "amx": "AVX512-BF16 with AMX bf16 tiles for the GEMMs",
+    "amx": "AVX512-BF16 with AMX bf16 and int8 tiles for the GEMMs",
     "avx512_bf16": "AVX-512 with BF16 and VNNI dot products",
     "avx512": "AVX-512",
     "avx2": "AVX2 + FMA",

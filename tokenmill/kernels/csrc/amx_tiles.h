@@ -1,6 +1,8 @@
-// AMX only: a thread's tile configuration and the tile operations the GEMM (gemm_amx.h) and the
-// prefill attention (attention_amx.h) share. Every kernel uses 8 tiles of 16 rows x 64 bytes:
-// 0-3 accumulate float32, 4-7 hold bf16 operands.
+// AMX only: a thread's tile configuration and the tile operations the GEMMs (gemm_amx.h,
+// quant_amx.h) and the prefill attention (attention_amx.h) share. Tiles 0-3 accumulate (float32
+// or int32, 16 rows x 64 bytes), 4-5 hold the left operands and 6-7 the right ones: 16 x 64
+// bytes each, except where a kernel asks for narrower left operands (quant_amx.h: 32 bytes, one
+// quantization block of int8) and right operands of fewer rows to match.
 #pragma once
 
 #include <immintrin.h>
@@ -9,11 +11,12 @@
 
 namespace tm {
 
-// The thread's tile configuration for one kernel call: 8 tiles of 16 rows x 64 bytes, released
-// at the end (other code on this thread, oneDNN's, loads its own).
+// The thread's tile configuration for one kernel call, released at the end (other code on this
+// thread, oneDNN's, loads its own). left_bytes: the width of tiles 4-5; tiles 6-7 then have
+// left_bytes / 4 rows (the k groups of 4 bytes a left row holds).
 class AmxTiles {
  public:
-  explicit AmxTiles(bool on) : on_(on) {
+  explicit AmxTiles(bool on, int left_bytes = 64) : on_(on) {
     if (!on_) return;
     struct alignas(64) {
       uint8_t palette, start_row, reserved[14];
@@ -22,8 +25,8 @@ class AmxTiles {
     } cfg{};
     cfg.palette = 1;
     for (int t = 0; t < 8; ++t) {
-      cfg.colsb[t] = 64;
-      cfg.rows[t] = 16;
+      cfg.colsb[t] = t == 4 || t == 5 ? left_bytes : 64;
+      cfg.rows[t] = t >= 6 ? left_bytes / 4 : 16;
     }
     _tile_loadconfig(&cfg);
   }

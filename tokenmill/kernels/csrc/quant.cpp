@@ -21,6 +21,13 @@
 #include "tm.h"
 #include "vec.h"
 
+// Many input rows on AMX-INT8 tiles (quant_amx.h); TM_AMX_EMULATED: a build whose tile
+// instructions are emulated in C++ (tests/test_amx_emulated.py only)
+#if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
+#define TM_AMX_QUANT
+#include "quant_amx.h"
+#endif
+
 namespace tm {
 
 // 32 values -> int8 codes q = round(x / dx), dx = max |x| / 127 (round to nearest even; the
@@ -52,17 +59,37 @@ inline int quantize_block(const T* x, int8_t* q, float* d) {
 #endif
 }
 
-// x (m, K) -> int8 codes, per-block scales dx and dx * sum(codes)
+// x (m, K) -> int8 codes, per-block scales dx and dx * sum(codes). The codes row by row, or
+// `tiled` (the AMX tiles' left operand, quant_amx.h): per 16 rows and block, 16 x 32 bytes.
 template <typename T>
-void quantize_rows(const T* x, int64_t m, int64_t K, int8_t* xq, float* dx, float* sx) {
-  parallel_for(0, m * (K / kBlock), 256, [&](int64_t b0, int64_t b1) {
+void quantize_rows(const T* x, int64_t m, int64_t K, int8_t* xq, float* dx, float* sx,
+                   bool tiled) {
+  const int64_t blocks = K / kBlock;
+  parallel_for(0, m * blocks, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      int sum = quantize_block(x + b * kBlock, xq + b * kBlock, dx + b);
+      const int64_t r = b / blocks;
+      const int64_t at = tiled ? ((r / 16 * blocks + b % blocks) * 16 + r % 16) * kBlock : b * kBlock;
+      int sum = quantize_block(x + b * kBlock, xq + at, dx + b);
       sx[b] = dx[b] * static_cast<float>(sum);
     }
   });
 }
 
+
+// out rows i .. i + R, group g's outputs: t's rows plus the bias
+template <typename O>
+void store_group(const tm_linear* w, O* out, int64_t i, int R, int64_t g, const float (*t)[kGroup]) {
+  const int64_t N = w->n, n = std::min(kGroup, N - g * kGroup);
+  for (int r = 0; r < R; ++r) {
+    O* dst = out + (i + r) * N + g * kGroup;
+    for (int64_t o = 0; o < n; o += kLanes) {
+      vec v = vload(t[r] + o);
+      if (w->bias) v = vadd(v, vload_part(w->bias + g * kGroup + o, std::min<int64_t>(kLanes, n - o)));
+      if (n - o >= kLanes) vstore(dst + o, v);
+      else vstore_part(dst + o, v, n - o);
+    }
+  }
+}
 
 template <int BITS, typename O>
 void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const tm_linear* w,
@@ -70,19 +97,17 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
   const int64_t N = w->n, K = w->k, groups = (N + kGroup - 1) / kGroup;
   const int64_t gstride = K / kBlock * group_bytes(BITS);
   const auto* wq = static_cast<const uint8_t*>(w->packed);
+#ifdef TM_AMX_QUANT
+  if (amx_quant_runs(m, w->row_invariant))
+    return qgemm_amx<BITS>(xq, dx, sx, m, N, K, wq,
+                           [&](int64_t i, int R, int64_t g, const float (*y)[kGroup]) {
+                             store_group(w, out, i, R, g, y);
+                           });
+#endif
   parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     float y[2 * kRowTile][kGroup];
     auto store = [&](int64_t i, int R, int64_t g, float (*t)[kGroup]) {  // rows i.., group g
-      const int64_t n = std::min(kGroup, N - g * kGroup);
-      for (int r = 0; r < R; ++r) {
-        O* dst = out + (i + r) * N + g * kGroup;
-        for (int64_t o = 0; o < n; o += kLanes) {
-          vec v = vload(t[r] + o);
-          if (w->bias) v = vadd(v, vload_part(w->bias + g * kGroup + o, std::min<int64_t>(kLanes, n - o)));
-          if (n - o >= kLanes) vstore(dst + o, v);
-          else vstore_part(dst + o, v, n - o);
-        }
-      }
+      store_group(w, out, i, R, g, t);
     };
     for (int64_t i0 = 0; i0 < m; i0 += kRowChunk) {  // input rows stay in cache across groups
       const int64_t i1 = std::min(m, i0 + kRowChunk);
@@ -114,11 +139,20 @@ void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int o
   const int64_t K = w->k, blocks = m * (K / kBlock);
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dx, sx;
-  xq.resize(m * K), dx.resize(blocks), sx.resize(blocks);
+#ifdef TM_AMX_QUANT  // the tiles' codes: whole 16-row tiles, rows past m zero
+  const bool tiled = amx_quant_runs(m, w->row_invariant);
+#else
+  const bool tiled = false;
+#endif
+  const int64_t rows = tiled ? (m + 15) / 16 * 16 : m;
+  xq.resize(rows * K), dx.resize(rows * (K / kBlock)), sx.resize(rows * (K / kBlock));
+  if (tiled) std::fill(xq.begin() + m / 16 * 16 * K, xq.end(), int8_t{0});
+  std::fill(dx.begin() + blocks, dx.end(), 0.f);
+  std::fill(sx.begin() + blocks, sx.end(), 0.f);
   if (dtype == TM_F32)
-    quantize_rows(static_cast<const float*>(x), m, K, xq.data(), dx.data(), sx.data());
+    quantize_rows(static_cast<const float*>(x), m, K, xq.data(), dx.data(), sx.data(), tiled);
   else
-    quantize_rows(static_cast<const bf16*>(x), m, K, xq.data(), dx.data(), sx.data());
+    quantize_rows(static_cast<const bf16*>(x), m, K, xq.data(), dx.data(), sx.data(), tiled);
   auto run = [&](auto* o) {
     if (w->quant == TM_QI4) qgemm<4>(xq.data(), dx.data(), sx.data(), m, w, o);
     else if (w->quant == TM_QI5) qgemm<5>(xq.data(), dx.data(), sx.data(), m, w, o);

@@ -18,6 +18,8 @@
 //   vstore_i16                  kLanes floats rounded and saturated to int16
 //   vpairs vbcast_pair          x86 only: two vectors' int16 interleaved in pairs (within
 //                               128-bit lanes); one int16 pair in every pair (values_int.h)
+//   vload_i32 vload_f16         x86 only: kLanes int32 as an ivec; kLanes IEEE halves as
+//                               float32 (quant_amx.h)
 //   prefetch_l1 prefetch_l2     software prefetch (none in the portable build)
 #pragma once
 

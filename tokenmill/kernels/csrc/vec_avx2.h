@@ -129,6 +129,10 @@ inline i16x vmul16(i16x a, i16x b) { return _mm256_mullo_epi16(a, b); }  // low 
 inline i16x vodd16(i16x a) { return _mm256_sub_epi16(_mm256_add_epi16(a, a), _mm256_set1_epi16(15)); }  // 2a - 15
 inline ivec vdot16(ivec acc, i16x a, i16x b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 inline vec vcvt_i32(ivec a) { return _mm256_cvtepi32_ps(a); }
+inline ivec vload_i32(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vec vload_f16(const uint16_t* p) {  // kLanes IEEE halves -> float32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 inline void vpairs(i16x a, i16x b, i16x& lo, i16x& hi) {  // (a, b) pairs, within 128-bit lanes
   lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
 }

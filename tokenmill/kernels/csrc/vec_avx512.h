@@ -161,6 +161,10 @@ inline ivec vdot16(ivec acc, i16x a, i16x b) {
 #endif
 }
 inline vec vcvt_i32(ivec a) { return _mm512_cvtepi32_ps(a); }
+inline ivec vload_i32(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline vec vload_f16(const uint16_t* p) {  // kLanes IEEE halves -> float32
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
 inline void vpairs(i16x a, i16x b, i16x& lo, i16x& hi) {  // (a, b) pairs, within 128-bit lanes
   lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
 }
