@@ -90,7 +90,8 @@ def test_integer_sums_at_their_bound(lib, bits, sign):
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_a_row_does_not_depend_on_the_other_rows(lib, bits):
     """Each output is computed the same whatever tile its row lands in (row tiles of 1-8 rows,
-    one group or two; on AMX, 16-row int8 tiles from 64 rows on, the last one partial): what
+    one group or two; on AMX, 16-row int8 tiles from 64 rows on, 8-bit codes from 16, the last
+    tile partial): what
     keeps speculative decoding's verify rows, which share a step, exactly equal to decoding
     alone on quantized weights."""
     bq = random_bq(77, 256, bits, seed=5)  # 5 groups, the last partial
@@ -99,7 +100,7 @@ def test_a_row_does_not_depend_on_the_other_rows(lib, bits):
     x = torch.randn(130, 256).to(torch.bfloat16)
     for out_fp32 in (True, False):
         alone = torch.cat([lib.linear(x[i:i + 1], layer, out_fp32=out_fp32) for i in range(130)])
-        for m in [*range(2, 14), 64, 70, 130]:
+        for m in [*range(2, 18), 24, 40, 63, 64, 70, 130]:
             assert torch.equal(lib.linear(x[:m], layer, out_fp32=out_fp32), alone[:m]), m
 
 

@@ -98,7 +98,7 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
   const int64_t gstride = K / kBlock * group_bytes(BITS);
   const auto* wq = static_cast<const uint8_t*>(w->packed);
 #ifdef TM_AMX_QUANT
-  if (amx_quant_runs(m, w->row_invariant))
+  if (amx_quant_runs(m, w->row_invariant, w->quant))
     return qgemm_amx<BITS>(xq, dx, sx, m, N, K, wq,
                            [&](int64_t i, int R, int64_t g, const float (*y)[kGroup]) {
                              store_group(w, out, i, R, g, y);
@@ -140,7 +140,7 @@ void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int o
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dx, sx;
 #ifdef TM_AMX_QUANT  // the tiles' codes: whole 16-row tiles, rows past m zero
-  const bool tiled = amx_quant_runs(m, w->row_invariant);
+  const bool tiled = amx_quant_runs(m, w->row_invariant, w->quant);
 #else
   const bool tiled = false;
 #endif

@@ -1,5 +1,5 @@
 // AMX only (and the emulated tiles of tests/test_amx_emulated.py): the block-quantized GEMM of
-// quant.cpp on AMX-INT8 tiles, for calls of kAmxQuantRows input rows or more (prompts, batches).
+// quant.cpp on AMX-INT8 tiles, for calls of many input rows (prompts, batches: amx_quant_runs).
 //
 // Per quantization block (32 k), 16 input rows and one group of 16 outputs, TDPBSUD gives the
 // 256 exact int32 sums sum_k c * q the vector tiles make with VPDPBUSD. The left tile is the
@@ -25,13 +25,16 @@
 
 namespace tm {
 
-constexpr int64_t kAmxQuantRows = 64;      // from this many input rows the tiles run
+// From how many input rows the tiles run: 4/5-bit codes are unpacked for them, which pays from
+// 64 rows; 8-bit codes load as packed (the default model's Q8_0 LM head at 16 rows 1.14 ->
+// 0.79 ms, 32 rows 1.97 -> 1.47; at 8 rows level)
+constexpr int64_t kAmxQuantRows = 64, kAmxQuantRows8 = 16;
 constexpr int64_t kAmxQuantChunk = 256;    // input rows whose codes stay in L2 across groups
 constexpr int64_t kRightBytes = 8 * 64;    // one block's right tile
 constexpr int64_t kTileCodes = 16 * kBlock;  // one block's left tile (quantize_rows, tiled)
 
-inline bool amx_quant_runs(int64_t m, bool row_invariant) {
-  return !row_invariant && m >= kAmxQuantRows;
+inline bool amx_quant_runs(int64_t m, bool row_invariant, int quant) {
+  return !row_invariant && m >= (quant == TM_QI8 ? kAmxQuantRows8 : kAmxQuantRows);
 }
 
 // Group `grp`'s blocks as right tiles, kRightBytes apart, into `out` (4 and 5 bits).
@@ -99,7 +102,7 @@ void amx_rows_group(const int8_t* x, const float* dx, const float* sx, int64_t b
     for (int l = 0; l < H; ++l) vstore(y[r] + l * kLanes, acc[r][l]);
 }
 
-// out rows [0, m) = x . w for m >= kAmxQuantRows; xq, dx, sx hold whole 16-row tiles (rows past
+// out rows [0, m) = x . w where amx_quant_runs; xq, dx, sx hold whole 16-row tiles (rows past
 // m zero). store_rows(i, R, g, y) writes R rows of group g from y.
 template <int BITS, typename StoreRows>
 void qgemm_amx(const int8_t* xq, const float* dx, const float* sx, int64_t m, int64_t N,
