@@ -72,7 +72,10 @@ inline float bf16_at(const uint8_t* p) {
   return f;
 }
 
-inline void dpbf16ps(int c, int a, int b) {
+// C[m][n] (an Acc: float or int32) += dot(a row m's 4-byte group k, b row k's 4-byte column n)
+// over the groups k, for every element: the shape checks and loop the products share.
+template <typename Acc, typename Dot>
+inline void product(int c, int a, int b, const Dot& dot) {
   check(configured);
   const Tile &A = tiles[a], &B = tiles[b];
   Tile& C = tiles[c];
@@ -80,33 +83,26 @@ inline void dpbf16ps(int c, int a, int b) {
   check(B.rows == K && C.rows == M && C.colsb == 4 * N);
   for (int m = 0; m < M; ++m)
     for (int n = 0; n < N; ++n) {
-      float acc;
+      Acc acc;
       std::memcpy(&acc, C.data[m] + 4 * n, 4);
-      for (int k = 0; k < K; ++k) {
-        acc += bf16_at(A.data[m] + 4 * k) * bf16_at(B.data[k] + 4 * n);
-        acc += bf16_at(A.data[m] + 4 * k + 2) * bf16_at(B.data[k] + 4 * n + 2);
-      }
+      for (int k = 0; k < K; ++k) dot(acc, A.data[m] + 4 * k, B.data[k] + 4 * n);
       std::memcpy(C.data[m] + 4 * n, &acc, 4);
     }
   __atomic_add_fetch(&tm_emulated_tile_ops, 1, __ATOMIC_RELAXED);
 }
 
-// TDPBSUD: per output element, the int32 sum of signed (A) x unsigned (B) byte products.
+inline void dpbf16ps(int c, int a, int b) {  // the two bf16 products added in turn
+  product<float>(c, a, b, [](float& acc, const uint8_t* x, const uint8_t* w) {
+    acc += bf16_at(x) * bf16_at(w);
+    acc += bf16_at(x + 2) * bf16_at(w + 2);
+  });
+}
+
+// TDPBSUD: the int32 sum of signed (A) x unsigned (B) byte products.
 inline void dpbsud(int c, int a, int b) {
-  check(configured);
-  const Tile &A = tiles[a], &B = tiles[b];
-  Tile& C = tiles[c];
-  const int M = A.rows, K = A.colsb / 4, N = B.colsb / 4;
-  check(B.rows == K && C.rows == M && C.colsb == 4 * N);
-  for (int m = 0; m < M; ++m)
-    for (int n = 0; n < N; ++n) {
-      int32_t acc;
-      std::memcpy(&acc, C.data[m] + 4 * n, 4);
-      for (int k = 0; k < 4 * K; ++k)
-        acc += static_cast<int8_t>(A.data[m][k]) * static_cast<int32_t>(B.data[k / 4][4 * n + k % 4]);
-      std::memcpy(C.data[m] + 4 * n, &acc, 4);
-    }
-  __atomic_add_fetch(&tm_emulated_tile_ops, 1, __ATOMIC_RELAXED);
+  product<int32_t>(c, a, b, [](int32_t& acc, const uint8_t* x, const uint8_t* w) {
+    for (int t = 0; t < 4; ++t) acc += static_cast<int8_t>(x[t]) * static_cast<int32_t>(w[t]);
+  });
 }
 
 }  // namespace tm_amx_emulation
