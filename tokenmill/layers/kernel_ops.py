@@ -45,6 +45,9 @@ class KernelOps(TorchOps):
     def silu_mul(self, x):
         return self.lib.silu_mul(x) if self.fits(x) else super().silu_mul(x)
 
+    def gelu_tanh_mul(self, x):
+        return self.lib.gelu_tanh_mul(x) if self.fits(x) else super().gelu_tanh_mul(x)
+
     def prepare_linear(self, weight, bias, gated=False):
         from tokenmill.kernels.gemm_plan import NEVER, PreparedLinear
         from tokenmill.kernels.lib import PackedLinear
