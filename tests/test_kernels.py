@@ -244,17 +244,30 @@ def test_model_bfloat16_kernels_close_to_reference(tiny_llama):
     assert same / sum(len(r) for r in ref) >= 0.9  # bf16 rounding differs in summation order
 
 
-def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch):
-    """The fused C++ decode step against the same kernels called layer by layer from Python, on
-    a Qwen3 (q/k norm), a sliding-window Mistral, a QKV-bias Qwen2, a Qwen3 with a global and
-    a sliding layer (two KV pools) and a Gemma 3 (four norms, GeGLU, two RoPE tables, two
-    pools)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_step_equals_layer_by_layer(tmp_path, monkeypatch, dtype):
+    """The fused C++ step against the same kernels called layer by layer from Python, on a
+    Qwen3 (q/k norm), a sliding-window Mistral, a QKV-bias Qwen2, a Qwen3 with a global and a
+    sliding layer (two KV pools) and a Gemma 3 (four norms, GeGLU, two RoPE tables, two pools):
+    the same tokens and logprobs. In float32 it runs the decode-only steps (prefill attention
+    is SDPA there); in bf16 also every step with prefill chunks (32-token chunks beside decode
+    rows, histories read through the block tables). Both run the same kernels in the same
+    order: the numbers are identical."""
     from tests.conftest import save_tiny_model
     from tests.test_gemma3 import tiny_gemma3
     from tokenmill.layers.fused_decode import FusedDecoder
     from tokenmill.models import gemma3, llama
 
-    prompts = random_prompts(4, 3, 40, seed=10)
+    prompts = random_prompts(4, 3, 70, seed=10)
+
+    def run(path):
+        llm = LLM(str(path), dtype=dtype, max_num_batched_tokens=32)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=16, logprobs=3),
+                            use_tqdm=False)
+        return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()}
+                                          for d in o.outputs[0].logprobs]) for o in outs]
+
     for arch, extra in (("qwen3", {"head_dim": 32}), ("mistral", {"sliding_window": 8}),
                         ("qwen2", {}), ("qwen3", {"use_sliding_window": True, "sliding_window": 8,
                                                   "max_window_layers": 1}), ("gemma3", {})):
@@ -263,17 +276,20 @@ def test_fused_decode_equals_layer_by_layer(tmp_path, monkeypatch):
             tiny_gemma3(query_pre_attn_scalar=24).save_pretrained(path)
         else:
             save_tiny_model(path, arch, **extra)
-        calls = []
+        steps = []  # whether each fused step had prefill chunks
         real = FusedDecoder.__call__
         with monkeypatch.context() as m:
-            m.setattr(FusedDecoder, "__call__",
-                      lambda *a, calls=calls, real=real: calls.append(1) or real(*a))
-            fused, _ = greedy(path, "float32", True, prompts)
-        assert len(calls) >= 15  # every all-decode step went through the fused step
+            m.setattr(FusedDecoder, "__call__", lambda self, x, pos, ctx, real=real, steps=steps:
+                      steps.append(bool(ctx.prefills)) or real(self, x, pos, ctx))
+            fused = run(path)
+        assert steps.count(False) >= 15  # every all-decode step went through the fused step
+        # bf16: every step with prompt tokens too (129 of them: at least 5 steps of 32), float32
+        # prefill attends by SDPA: op by op
+        assert steps.count(True) >= 5 if dtype == "bfloat16" else steps.count(True) == 0, arch
         with monkeypatch.context() as m:
             m.setattr(llama.LlamaModel, "_fused_decoder", lambda *a: None)
             m.setattr(gemma3.Gemma3Model, "_fused_decoder", lambda *a: None)
-            layered, _ = greedy(path, "float32", True, prompts)
+            layered = run(path)
         assert fused == layered, arch
 
 

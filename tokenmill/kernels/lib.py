@@ -18,7 +18,7 @@ from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check,
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 12
+ABI_VERSION = 13
 _P, _I = c_void_p, c_int64
 
 
@@ -85,7 +85,7 @@ _SIGNATURES = {
                                           POINTER(KVPages), _I, _I, _P, _P, _I, _I, c_float,
                                           _P]),
     "tm_kv_store": (None, [c_int, _P, _I, _I, _I, _P, _P, _P, _I, POINTER(KVPages)]),
-    "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, POINTER(KVPool), _I]),
+    "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, POINTER(KVPool), _I, _P, _I]),
 }
 
 
@@ -238,13 +238,17 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
                                        out.data_ptr())
         return out
 
-    def decode_stack(self, decoder: Decoder, x: torch.Tensor, positions, pools) -> torch.Tensor:
-        """All layers of a decode step (see tm.h); x (batch, hidden) holds the embeddings and
-        is returned holding the final norm's output. pools: per KV pool, (k_cache, v_cache,
+    def decode_stack(self, decoder: Decoder, x: torch.Tensor, positions, pools,
+                     chunk_starts: list[int] | None = None) -> torch.Tensor:
+        """All layers of a step (see tm.h); x (batch, hidden) holds the embeddings and is
+        returned holding the final norm's output. pools: per KV pool, (k_cache, v_cache,
         slots, block_tables, seq_lens, stage_rows, stages) with caches (layers, blocks,
-        block_size, ...); the last two None but for an int4 cache."""
+        block_size, ...); the last two None but for an int4 cache. chunk_starts: where each
+        prefill chunk starts and the last one ends (rows before the first: decode rows); the
+        tables and lens hold the decode rows' and then one row per chunk."""
         x = x.contiguous().clone()
         pos = positions.to(torch.int64).contiguous()
+        starts = torch.tensor(chunk_starts or [], dtype=torch.int64)
         keep, structs = [], (KVPool * len(pools))()
         for i, (k_cache, v_cache, *index) in enumerate(pools):
             index = [None if t is None else t.to(torch.int64).contiguous() for t in index]
@@ -255,5 +259,6 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
                                 lens.data_ptr(), _ptr(stage_rows), _ptr(stages))
         self._sync_threads()
         self._lib.tm_decode_stack(ctypes.byref(decoder), x.data_ptr(), x.shape[0], pos.data_ptr(),
-                                  structs, pools[0][0].shape[2])
+                                  structs, pools[0][0].shape[2], starts.data_ptr(),
+                                  max(0, len(starts) - 1))
         return x

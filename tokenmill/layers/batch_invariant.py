@@ -55,6 +55,9 @@ class BatchInvariantOps(KernelOps):
                                f"of shape {tuple(x.shape)} on {x.device}")
         return super().linear(x, layer, out_fp32)
 
+    def prefill_kernel_len(self, heads, kv_heads, head_dim, dtype) -> int:
+        return 0  # prefill rows attend as decode rows (below); the fused step leaves them
+
     def prefill_attention(self, q, k_cache, v_cache, block_table, num_computed, window, scale):
         """Each query row of the chunk as a decode step at its position (the chunk's K/V are
         in the cache already)."""

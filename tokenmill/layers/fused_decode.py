@@ -1,6 +1,7 @@
-"""The fused decode step's contract: the named weights a model hands to the C++ decode stack
-(kernels/csrc/decode_stack.cpp, which runs every decoder layer of a decode-only step in one
-call), built in one place from the model's modules.
+"""The fused step's contract: the named weights a model hands to the C++ decode stack
+(kernels/csrc/decode_stack.cpp, which runs every decoder layer of a step in one call: its
+decode rows and, on an unquantized cache, its prefill chunks), built in one place from the
+model's modules.
 
 The fused step is an optimization of a model, not a second model: it runs the same kernels in
 the same order as the Python layers (tests/test_kernels.py checks the two agree), and a model
@@ -57,10 +58,8 @@ class DecoderWeights:
 
 def fused_step(model, x: torch.Tensor, ctx):
     """The fused decoder of `model` (a module with `ops`, `_fused` and
-    `fused_decode_weights()`) if it runs this step: decode-only, and one the op
-    implementation's fused decoder takes (FusedDecoder.accepts); built at first use."""
-    if ctx.prefills or ctx.num_decode_tokens != x.shape[0]:
-        return None
+    `fused_decode_weights()`) if it runs this step: one the op implementation's fused decoder
+    takes (FusedDecoder.accepts); built at first use."""
     if model._fused is None:
         model._fused = model.ops.fused_decoder(model.fused_decode_weights()) or False
     return model._fused if model._fused and model._fused.accepts(x, ctx) else None
@@ -69,8 +68,13 @@ def fused_step(model, x: torch.Tensor, ctx):
 class FusedDecoder:
     """DecoderWeights as the C struct tm_decoder, and the call that runs it."""
 
-    def __init__(self, lib: klib.KernelLib, w: DecoderWeights) -> None:
+    def __init__(self, lib: klib.KernelLib, w: DecoderWeights, prefill_len=None) -> None:
+        """prefill_len(heads, kv_heads, head_dim, dtype): the key length from which the op
+        by op path would not run a prefill chunk on the kernel the stack calls
+        (tm_prefill_attention); None: prefill chunks run op by op."""
         self.lib = lib
+        self._prefill_len = prefill_len
+        self._w = w
         self.dtype = w.final_norm.dtype
         self.head_dim = w.head_dim
         linears = [lin for layer in w.layers for lin in (layer.qkv, layer.o, layer.gate_up,
@@ -97,13 +101,16 @@ class FusedDecoder:
             _ptr(w.cos_sin), w.cos_sin.shape[1])
 
     def accepts(self, x: torch.Tensor, ctx) -> bool:
-        """x's batch, on this step's KV caches: the model's dtype, or (one pool only) int8 /
-        fp8 / int4 pages."""
+        """x's batch, on this step's KV caches: the model's dtype, or (one pool only and
+        decode rows only) int8 / fp8 / int4 pages; prefill chunks where the op by op path
+        would run the same attention kernel."""
         from tokenmill.kernels.kv_pages import supports
 
         if x.device.type != "cpu" or x.dtype != self.dtype or x.shape[0] > self.max_rows:
             return False
         cache = ctx.kv_cache
+        if ctx.prefills:
+            return self._runs_prefills(x, ctx)
         if self.num_pools == 2:
             return (ctx.window_ctx is not None and cache.lossless(x.dtype)
                     and ctx.window_ctx.kv_cache.lossless(x.dtype))
@@ -112,8 +119,18 @@ class FusedDecoder:
                                         and (cache.stage is None
                                              or cache.stage.dtype == x.dtype)))
 
+    def _runs_prefills(self, x: torch.Tensor, ctx) -> bool:
+        w = self._w
+        if self._prefill_len is None or (self.num_pools == 2) != (ctx.window_ctx is not None):
+            return False
+        ctxs = (ctx, ctx.window_ctx)[:self.num_pools]
+        if not all(c.kv_cache.lossless(x.dtype) for c in ctxs):
+            return False
+        longest = max(chunk.kv_len for chunk in ctx.prefills)
+        return longest < self._prefill_len(w.heads, w.kv_heads, w.head_dim, x.dtype)
+
     def __call__(self, x, positions, ctx) -> torch.Tensor:
-        """x: (decodes, hidden) embeddings of a decode-only step -> the final norm's output."""
+        """x: (tokens, hidden) embeddings of a step -> the final norm's output."""
         cache = ctx.kv_cache
         fmt, st = cache.format, self.struct
         st.kv_format = klib.KV_FORMATS[fmt.name] if fmt.quantized else 0
@@ -126,10 +143,34 @@ class FusedDecoder:
             if fmt.v_rotated:
                 self._rotation = fmt.rotation(self.head_dim, x.device).float().contiguous()
                 st.v_rotation = self._rotation.data_ptr()
+        if ctx.prefills:  # (an unquantized cache) chunks packed in order after the decode rows
+            starts = [ctx.num_decode_tokens] + [chunk.end for chunk in ctx.prefills]
+            pools = [(c.kv_cache.k[0], c.kv_cache.v[0], c.slot_mapping, *_step_tables(c),
+                      None, None) for c in (ctx, ctx.window_ctx)[:self.num_pools]]
+            return self.lib.decode_stack(st, x, positions, pools, starts)
         pools = [(c.kv_cache.k[0], c.kv_cache.v[0], c.slot_mapping, c.decode_block_tables,
                   c.decode_seq_lens, c.stage_mapping, c.decode_stages)
                  for c in (ctx, ctx.window_ctx)[:self.num_pools]]
         return self.lib.decode_stack(st, x, positions, pools)
+
+
+def _step_tables(ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pool's block tables and lengths: its decode rows', then one row per prefill chunk
+    (its blocks, its length after the chunk)."""
+    rows = [chunk.block_table for chunk in ctx.prefills]
+    lens = [chunk.kv_len for chunk in ctx.prefills]
+    width = max(len(t) for t in rows)
+    if ctx.num_decode_tokens:
+        width = max(width, ctx.decode_block_tables.shape[1])
+    tables = torch.zeros(ctx.num_decode_tokens + len(rows), width, dtype=torch.int64)
+    lens = torch.tensor(lens, dtype=torch.int64)
+    if ctx.num_decode_tokens:
+        tables[:ctx.num_decode_tokens, :ctx.decode_block_tables.shape[1]] = \
+            ctx.decode_block_tables
+        lens = torch.cat([ctx.decode_seq_lens.to(torch.int64), lens])
+    for i, t in enumerate(rows):
+        tables[ctx.num_decode_tokens + i, :len(t)] = t
+    return tables, lens
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -149,13 +149,18 @@ class KernelOps(TorchOps):
         """bf16 only: float32 is the mode checked against transformers (logits within 1e-4),
         where PyTorch's SDPA measured closer to it than the kernel's summation order."""
         n, heads, d = q.shape
-        if not (self.fits(q) and q.dtype == torch.bfloat16 == k_cache.dtype and d % 8 == 0
-                and d <= 256):
-            return None
-        if num_computed + n >= self.prepare_attention(heads, k_cache.shape[2], d, q.dtype):
+        if not (self.fits(q) and k_cache.dtype == q.dtype) or num_computed + n >= \
+                self.prefill_kernel_len(heads, k_cache.shape[2], d, q.dtype):
             return None
         return self.lib.prefill_attention(q, k_cache, v_cache, block_table, num_computed, window,
                                           scale)
+
+    def prefill_kernel_len(self, heads, kv_heads, head_dim, dtype) -> int:
+        """The key length from which a prefill chunk does not run the paged kernel (0: never
+        runs it): bf16, head_dim a multiple of 8 up to 256, below the plan's SDPA length."""
+        if dtype != torch.bfloat16 or head_dim % 8 or head_dim > 256:
+            return 0
+        return self.prepare_attention(heads, kv_heads, head_dim, dtype)
 
     def prepare_attention(self, heads, kv_heads, head_dim, dtype) -> int:
         """The key length from which SDPA runs a prefill chunk (kernels/attention_plan.py)."""
@@ -178,7 +183,7 @@ class KernelOps(TorchOps):
                 lin.prepared() is None or lin.input_perm is not None for layer in weights.layers
                 for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)):
             return None  # e.g. a float16 model, or act-order GPTQ: layers run op by op
-        return FusedDecoder(self.lib, weights)
+        return FusedDecoder(self.lib, weights, self.prefill_kernel_len)
 
 
 # ---- choosing -----------------------------------------------------------------------------

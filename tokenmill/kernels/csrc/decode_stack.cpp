@@ -1,8 +1,9 @@
-// tokenmill CPU kernels: every decoder layer of a decode-only step in one call. The same
-// kernels in the same order as the Python model (models/llama.py, LlamaDecoderLayer, and
-// models/gemma3.py, Gemma3DecoderLayer), reading
-// the named per-layer weights of a tm_decoder (tm.h); running the layer loop here saves the
-// Python overhead of ~15 small ops per layer, which dominates small models' decode steps.
+// tokenmill CPU kernels: every decoder layer of a step in one call: its decode rows, then its
+// prefill chunks (an unquantized cache). The same kernels in the same order as the Python
+// model (models/llama.py, LlamaDecoderLayer, and models/gemma3.py, Gemma3DecoderLayer),
+// reading the named per-layer weights of a tm_decoder (tm.h); running the layer loop here saves
+// the Python overhead of ~15 small ops per layer, which dominates small models' decode steps,
+// and the allocations and wrappers of a prompt's ~10 ops per layer.
 #include "internal.h"
 #include "tm.h"
 #include "vec.h"
@@ -55,9 +56,29 @@ void store_slots(T* cache, const T* x, const int64_t* slots, int64_t tokens, int
     std::memcpy(cache + slots[t] * width, x + t * width, width * sizeof(T));
 }
 
+// One layer's attention of an unquantized cache: the rotated q (B, heads, D) of the step's
+// decode rows (tables / lens rows 0..decodes - 1) and then its chunks (chunk c the rows
+// [starts[c], starts[c + 1]), tables / lens row decodes + c) -> attn; their K/V stored already
+template <typename T>
+void layer_attention(const tm_decoder& m, const T* q, const T* kc, const T* vc, T* attn,
+                     int64_t decodes, const int64_t* starts, int64_t chunks,
+                     const tm_kv_pool& pool, int64_t BS, int64_t window) {
+  const int64_t Hq = m.heads, D = m.head_dim, dt = m.dtype;
+  if (decodes)
+    tm_decode_attention(dt, q, kc, vc, BS, m.kv_heads, pool.tables, pool.max_blocks, pool.lens,
+                        decodes, Hq, D, window, m.scale, attn);
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t row = decodes + c, n = starts[c + 1] - starts[c];
+    tm_prefill_attention(dt, q + starts[c] * Hq * D, n, Hq, D, kc, vc, BS, m.kv_heads,
+                         pool.tables + row * pool.max_blocks, pool.lens[row] - n, window,
+                         m.scale, attn + starts[c] * Hq * D);
+  }
+}
+
 template <typename T>
 void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions,
-                  const tm_kv_pool* pools, int64_t BS) {
+                  const tm_kv_pool* pools, int64_t BS, const int64_t* starts, int64_t chunks) {
+  const int64_t decodes = chunks ? starts[0] : B;
   thread_local Scratch s;
   const int dt = m.dtype;
   const int64_t H = m.hidden, D = m.head_dim, qs = m.heads * D, kvs = m.kv_heads * D;
@@ -78,28 +99,33 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
     const float* cos_sin = w.cos_sin ? w.cos_sin : m.cos_sin;
     tm_rms_norm(dt, res, w.input_norm, l == 0 ? nullptr : h, x, B, H, m.eps);  // res += h
     tm_linear_fwd(dt, x, B, &w.qkv, dt, qkv);
-    for (int64_t b = 0; b < B; ++b) {  // split q | k | v
-      std::memcpy(q + b * qs, qkv + b * qkv_w, qs * sizeof(T));
-      std::memcpy(k + b * kvs, qkv + b * qkv_w + qs, kvs * sizeof(T));
-      std::memcpy(v + b * kvs, qkv + b * qkv_w + qs + kvs, kvs * sizeof(T));
-    }
-    if (w.q_norm) {
-      tm_rms_norm(dt, q, w.q_norm, nullptr, q, B * m.heads, D, m.eps);
-      tm_rms_norm(dt, k, w.k_norm, nullptr, k, B * m.kv_heads, D, m.eps);
-    }
-    tm_rope(dt, q, B, m.heads, D, cos_sin, m.max_positions, positions);
-    tm_rope(dt, k, B, m.kv_heads, D, cos_sin, m.max_positions, positions);
-    const int64_t layer_elems = pool.num_blocks * BS * kvs;
-    if (m.kv_format) {  // one pool only (FusedDecoder.accepts)
-      quant_kv_layer(m, w.pool_layer, q, k, v, attn, B, pool, BS, w.window, s.f32);
+    const int64_t layer_elems = m.kv_format ? 0 : pool.num_blocks * BS * kvs;  // else codes
+    T* kc = static_cast<T*>(pool.k) + w.pool_layer * layer_elems;
+    T* vc = static_cast<T*>(pool.v) + w.pool_layer * layer_elems;
+    if (!w.q_norm && !m.kv_format) {  // RoPE, the split and the cache writes in one pass
+      tm_rope_store(dt, qkv, qkv_w, B, m.heads, m.kv_heads, D, cos_sin, m.max_positions,
+                    positions, q, k, kc, vc, pool.slots);
     } else {
-      T* kc = static_cast<T*>(pool.k) + w.pool_layer * layer_elems;
-      T* vc = static_cast<T*>(pool.v) + w.pool_layer * layer_elems;
-      store_slots(kc, k, pool.slots, B, kvs);
-      store_slots(vc, v, pool.slots, B, kvs);
-      tm_decode_attention(dt, q, kc, vc, BS, m.kv_heads, pool.tables, pool.max_blocks,
-                          pool.lens, B, m.heads, D, w.window, m.scale, attn);
+      for (int64_t b = 0; b < B; ++b) {  // split q | k | v
+        std::memcpy(q + b * qs, qkv + b * qkv_w, qs * sizeof(T));
+        std::memcpy(k + b * kvs, qkv + b * qkv_w + qs, kvs * sizeof(T));
+        std::memcpy(v + b * kvs, qkv + b * qkv_w + qs + kvs, kvs * sizeof(T));
+      }
+      if (w.q_norm) {
+        tm_rms_norm(dt, q, w.q_norm, nullptr, q, B * m.heads, D, m.eps);
+        tm_rms_norm(dt, k, w.k_norm, nullptr, k, B * m.kv_heads, D, m.eps);
+      }
+      tm_rope(dt, q, B, m.heads, D, cos_sin, m.max_positions, positions);
+      tm_rope(dt, k, B, m.kv_heads, D, cos_sin, m.max_positions, positions);
+      if (!m.kv_format) {
+        store_slots(kc, k, pool.slots, B, kvs);
+        store_slots(vc, v, pool.slots, B, kvs);
+      }
     }
+    if (m.kv_format)  // decode rows only, one pool (FusedDecoder.accepts)
+      quant_kv_layer(m, w.pool_layer, q, k, v, attn, B, pool, BS, w.window, s.f32);
+    else
+      layer_attention(m, q, kc, vc, attn, decodes, starts, chunks, pool, BS, w.window);
     tm_linear_fwd(dt, attn, B, &w.o, dt, h);
     if (w.pre_ffn_norm) {  // Gemma: norm the attention output, add, norm again
       tm_rms_norm(dt, h, w.post_norm, nullptr, x, B, H, m.eps);
@@ -131,8 +157,11 @@ using namespace tm;
 
 extern "C" void tm_decode_stack(const tm_decoder* m, void* x, int64_t batch,
                                 const int64_t* positions, const tm_kv_pool* pools,
-                                int64_t block_size) {
+                                int64_t block_size, const int64_t* chunk_starts,
+                                int64_t chunks) {
   if (m->dtype == TM_BF16)
-    return decode_stack(*m, static_cast<bf16*>(x), batch, positions, pools, block_size);
-  decode_stack(*m, static_cast<float*>(x), batch, positions, pools, block_size);
+    return decode_stack(*m, static_cast<bf16*>(x), batch, positions, pools, block_size,
+                        chunk_starts, chunks);
+  decode_stack(*m, static_cast<float*>(x), batch, positions, pools, block_size, chunk_starts,
+               chunks);
 }
