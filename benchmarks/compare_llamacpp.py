@@ -59,7 +59,10 @@ def tokenmill_bench(llm, prompt: int, gen: int, rng: random.Random) -> dict:
     def ids(n):
         return {"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(n)]}
 
-    # the mean of three prompts' rates, as llama-bench -r 3 averages its repetitions
+    # the mean of three prompts' rates, as llama-bench -r 3 averages its repetitions, after a
+    # warm-up prompt as llama-bench runs one (the caches and threads right after llama-bench's
+    # own run made a first prompt up to 30% slower)
+    llm.generate(ids(prompt), SamplingParams(max_tokens=1), use_tqdm=False)
     pre = [llm.generate(ids(prompt), SamplingParams(max_tokens=1), use_tqdm=False)[0]
            for _ in range(3)]
     dec = llm.generate(ids(128), SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True),
