@@ -4,7 +4,9 @@ count, in alternating rounds (the machine's bandwidth drifts: only same-run rati
 Within a round each engine's pp is the mean of three prompts (llama-bench -r 3), its tg one
 128-token run after a 128-token prompt.
 Also measures this machine's limits (hw_limits.py) and reports each engine's achieved
-GB/s and its share of the bandwidth limit. Prints a table and ends with one JSON line.
+GB/s and its share of the bandwidth limit, and its prefill's share of the FLOP limit (the
+prompt's FLOPs: its matmuls and its causal attention's two products; also the matmuls
+alone). Prints a table and ends with one JSON line.
 
     python benchmarks/compare_llamacpp.py [--model NAME] [--file] [--rounds 3] [--threads 2]
 """
@@ -111,13 +113,21 @@ def main() -> None:
     matmul_params = sum(p.numel() for n, p in llm.engine.runner.model.named_parameters()
                         if "proj" in n)
     decode_limit = hw_limits.decode_limit_tok_s(lim, weights)
-    prefill_limit = hw_limits.prefill_limit_tok_s(lim, matmul_params)
+    cfg = llm.engine.model_config
+    shape = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim)
+    # the share of the FLOP limit counts the prompt's attention products too (4% of its FLOPs
+    # at 256 tokens, 8% at 512 for this model); matmuls_pct: the layers' matmuls alone
+    prefill_limit = hw_limits.prefill_limit_tok_s(
+        lim, hw_limits.prefill_flops(matmul_params, args.prompt, *shape), args.prompt)
+    matmul_limit = hw_limits.prefill_limit_tok_s(
+        lim, hw_limits.prefill_flops(matmul_params, args.prompt), args.prompt)
     table = {}
     for name, rs in runs.items():
         row = {k: statistics.median(r[k] for r in rs) for k in rs[0] if k != "notes"}
         row["decode_gb_s"] = row["decode_tok_s"] * weights / 1e9
         row["decode_pct_of_limit"] = 100 * row["decode_tok_s"] / decode_limit
         row["prefill_pct_of_limit"] = 100 * row["prefill_tok_s"] / prefill_limit
+        row["prefill_matmuls_pct_of_limit"] = 100 * row["prefill_tok_s"] / matmul_limit
         table[name] = row
     ratios = {k: table["tokenmill"][k] / table["llama.cpp"][k]
               for k in ("decode_tok_s", "prefill_tok_s")}
@@ -125,18 +135,19 @@ def main() -> None:
           f"{args.rounds} alternating rounds; read bandwidth {lim['read_gb_s']:.1f} GB/s, "
           f"fp32 matmul {lim['fp32_gflop_s']:.0f} GFLOP/s")
     print(f"limits: decode {decode_limit:.1f} tok/s ({weights / 2**20:.0f} MiB/token), "
-          f"prefill {prefill_limit:.0f} tok/s")
+          f"prefill {prefill_limit:.0f} tok/s ({matmul_limit:.0f} counting the matmuls only)")
     print(f"{'engine':<11}{'tg' + str(args.gen) + ' tok/s':>13}{'GB/s':>7}{'% BW limit':>11}"
-          f"{'pp' + str(args.prompt) + ' tok/s':>14}{'% FLOP limit':>13}")
+          f"{'pp' + str(args.prompt) + ' tok/s':>14}{'% FLOP limit':>13}{'(matmuls)':>10}")
     for name, r in table.items():
         print(f"{name:<11}{r['decode_tok_s']:>13.1f}{r['decode_gb_s']:>7.1f}"
               f"{r['decode_pct_of_limit']:>10.0f}%{r['prefill_tok_s']:>14.0f}"
-              f"{r['prefill_pct_of_limit']:>12.0f}%")
+              f"{r['prefill_pct_of_limit']:>12.0f}%{r['prefill_matmuls_pct_of_limit']:>9.0f}%")
     print(f"tokenmill / llama.cpp: decode {ratios['decode_tok_s']:.2f}x, "
           f"prefill {ratios['prefill_tok_s']:.2f}x")
     print(json.dumps({"benchmark": "compare_llamacpp", "model": args.model,
                       "weights": weights_kind, "limits": lim,
                       "decode_limit_tok_s": decode_limit, "prefill_limit_tok_s": prefill_limit,
+                      "prefill_matmuls_limit_tok_s": matmul_limit,
                       "results": table, "ratios": ratios, "rounds": runs}, sort_keys=True))
 
 

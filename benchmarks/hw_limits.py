@@ -57,9 +57,18 @@ def decode_limit_tok_s(limits: dict, weight_bytes_per_token: int) -> float:
     return limits["read_gb_s"] * 1e9 / weight_bytes_per_token
 
 
-def prefill_limit_tok_s(limits: dict, matmul_params: int) -> float:
+def prefill_flops(matmul_params: int, prompt: int, layers: int = 0, heads: int = 0,
+                  head_dim: int = 0) -> float:
+    """One prompt's forward FLOPs: 2 per weight and token in the layers' matmuls, plus (with the
+    attention's shape) its two products, Q K^T and P V, at 2 FLOPs per multiply-add for each
+    query head against its own key and every key before it (causal: what a kernel computes)."""
+    causal_pairs = prompt * (prompt + 1) / 2
+    return 2.0 * matmul_params * prompt + 4.0 * layers * heads * head_dim * causal_pairs
+
+
+def prefill_limit_tok_s(limits: dict, flops_per_prompt: float, prompt: int) -> float:
     best = max(limits["fp32_gflop_s"], limits["bf16_gflop_s"])
-    return best * 1e9 / (2 * matmul_params)
+    return best * 1e9 / flops_per_prompt * prompt
 
 
 def main() -> None:
