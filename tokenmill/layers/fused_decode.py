@@ -74,7 +74,7 @@ class FusedDecoder:
         (tm_prefill_attention); None: prefill chunks run op by op."""
         self.lib = lib
         self._prefill_len = prefill_len
-        self._w = w
+        self._attention = (w.heads, w.kv_heads, w.head_dim)  # prefill_len's shape arguments
         self.dtype = w.final_norm.dtype
         self.head_dim = w.head_dim
         linears = [lin for layer in w.layers for lin in (layer.qkv, layer.o, layer.gate_up,
@@ -120,14 +120,13 @@ class FusedDecoder:
                                              or cache.stage.dtype == x.dtype)))
 
     def _runs_prefills(self, x: torch.Tensor, ctx) -> bool:
-        w = self._w
         if self._prefill_len is None or (self.num_pools == 2) != (ctx.window_ctx is not None):
             return False
         ctxs = (ctx, ctx.window_ctx)[:self.num_pools]
         if not all(c.kv_cache.lossless(x.dtype) for c in ctxs):
             return False
         longest = max(chunk.kv_len for chunk in ctx.prefills)
-        return longest < self._prefill_len(w.heads, w.kv_heads, w.head_dim, x.dtype)
+        return longest < self._prefill_len(*self._attention, x.dtype)
 
     def __call__(self, x, positions, ctx) -> torch.Tensor:
         """x: (tokens, hidden) embeddings of a step -> the final norm's output."""

@@ -106,9 +106,6 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
 #endif
   parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     float y[2 * kRowTile][kGroup];
-    auto store = [&](int64_t i, int R, int64_t g, float (*t)[kGroup]) {  // rows i.., group g
-      store_group(w, out, i, R, g, t);
-    };
     for (int64_t i0 = 0; i0 < m; i0 += kRowChunk) {  // input rows stay in cache across groups
       const int64_t i1 = std::min(m, i0 + kRowChunk);
       for (int64_t g = g0; g < g1;) {
@@ -121,11 +118,11 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
           const uint8_t* pf = i == i0 && next < g1 ? wq + next * gstride : nullptr;
           if (pair) {
             tile_pair<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, gstride, y, pf);
-            store(i, R, g, y);
-            store(i, R, g + 1, y + R);
+            store_group(w, out, i, R, g, y);
+            store_group(w, out, i, R, g + 1, y + R);
           } else {
             tile<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, y, pf);
-            store(i, R, g, y);
+            store_group(w, out, i, R, g, y);
           }
         }
         g += pair ? 2 : 1;
