@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
     Bytes packed(tm_packed_numel(dt, n, k) * elem(dt)), out(m * n * elem(odt));
     tm_pack_weight(dt, w.data(), n, k, packed.data());
     tm_linear lin{packed.data(), I(4) ? reinterpret_cast<const float*>(b.data()) : nullptr, n, k};
-    tm_linear_fwd(dt, x.data(), m, &lin, odt, out.data());
+    tm_linear_fwd(dt, x.data(), m, &lin, odt, out.data(), nullptr, 0);
     save(dir + "out.bin", out.data(), out.size());
   } else if (kernel == "qlinear") {  // bits n k m dtype out_dtype: codes(u8), d, m(f16), x
     int bits = I(0), dt = I(4), odt = I(5);
@@ -54,7 +54,7 @@ int main(int argc, char** argv) {
              reinterpret_cast<const uint16_t*>(mn.data()), n, k,
              reinterpret_cast<uint8_t*>(packed.data()));
     tm_linear lin{packed.data(), nullptr, n, k, bits};
-    tm_linear_fwd(dt, x.data(), m, &lin, odt, out.data());
+    tm_linear_fwd(dt, x.data(), m, &lin, odt, out.data(), nullptr, 0);
     save(dir + "out.bin", out.data(), out.size());
   } else if (kernel == "rms_norm") {  // dtype rows hidden eps has_add: x, w, add
     int dt = I(0);

@@ -150,3 +150,40 @@ def test_bad_quantized_weights_are_refused(lib):
         quantize(torch.randn(4, 64), "int3")
     with pytest.raises(ValueError, match="qpack"):
         lib.qpack(bq.codes, bq.d.float(), bq.m, 4)
+
+
+@pytest.mark.parametrize("bits", [4, 5, 8])
+def test_prompt_rows_on_the_dequantized_weights(lib, bits):
+    """Rows named as prompt tokens: on the AMX build (4- and 8-bit codes) bf16 rows times the
+    weights dequantized to bf16, float32 sums (no int8 activations); every other row, and every
+    row elsewhere, the int8 path's bits. Either way a row's bits do not depend on the rows
+    beside it, nor on how the ranges split (chunked prompts)."""
+    bq = random_bq(77, 256, bits, seed=7)
+    g = torch.Generator().manual_seed(7)
+    bias = torch.randn(77, generator=g)
+    layer = lib.qpack(bq.codes, bq.d, bq.m, bits, bias)
+    x = torch.randn(130, 256, generator=g).to(torch.bfloat16)
+    ranges = [(3, 41), (41, 45), (70, 130)]
+    prompt = torch.zeros(130, dtype=torch.bool)
+    for a, b in ranges:
+        prompt[a:b] = True
+    dense = lib.isa == "amx" and bits != 5
+    ref = F.linear(x.float(), bq.dequantize().bfloat16().float(), bias)
+    for out_fp32 in (True, False):
+        got = lib.linear(x, layer, out_fp32, prompt_rows=ranges)
+        plain = lib.linear(x, layer, out_fp32)
+        assert torch.equal(got[~prompt], plain[~prompt])
+        alone = torch.cat([lib.linear(x[i:i + 1], layer, out_fp32, prompt_rows=[(0, 1)])
+                           for i in range(130)])
+        assert torch.equal(got[prompt], alone[prompt])
+        assert torch.equal(lib.linear(x, layer, out_fp32, prompt_rows=[(3, 45), (70, 130)]), got)
+        err = ((got[prompt].float() - ref[prompt]).norm() / ref[prompt].norm()).item()
+        if not dense:
+            assert torch.equal(got, plain)
+        elif out_fp32:
+            assert err < 1e-6  # the dequantized product up to float32 summation order
+        else:
+            assert err < 4e-3  # and the output's bf16 rounding
+    for bad in ([(5, 5)], [(0, 10), (8, 20)], [(120, 131)], [(9, 3)]):
+        with pytest.raises(ValueError, match="prompt_rows"):
+            lib.linear(x, layer, prompt_rows=bad)

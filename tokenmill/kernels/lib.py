@@ -18,7 +18,7 @@ from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check,
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 13
+ABI_VERSION = 14
 _P, _I = c_void_p, c_int64
 
 
@@ -64,7 +64,7 @@ _SIGNATURES = {
     "tm_panel_rows": (_I, []),
     "tm_packed_numel": (_I, [c_int, _I, _I]),
     "tm_pack_weight": (None, [c_int, _P, _I, _I, _P]),
-    "tm_linear_fwd": (None, [c_int, _P, _I, POINTER(Linear), c_int, _P]),
+    "tm_linear_fwd": (None, [c_int, _P, _I, POINTER(Linear), c_int, _P, _P, _I]),
     "tm_quant_fast": (c_int, []),
     "tm_qpacked_bytes": (_I, [c_int, _I, _I]),
     "tm_qpack": (None, [c_int, _P, _P, _P, _I, _I, _P]),
@@ -85,7 +85,8 @@ _SIGNATURES = {
                                           POINTER(KVPages), _I, _I, _P, _P, _I, _I, c_float,
                                           _P]),
     "tm_kv_store": (None, [c_int, _P, _I, _I, _I, _P, _P, _P, _I, POINTER(KVPages)]),
-    "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, POINTER(KVPool), _I, _P, _I]),
+    "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, POINTER(KVPool), _I, _P, _I, _P,
+                                _I]),
 }
 
 
@@ -184,9 +185,12 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
                f"qdequantize: row indices in [0, {w.n})")
         return out
 
-    def linear(self, x: torch.Tensor, w: PackedLinear, out_fp32: bool = False) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: PackedLinear, out_fp32: bool = False,
+               prompt_rows: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """x (m, k) @ w.T + bias, in x's dtype (float32 with out_fp32: from the accumulators);
-        for a gated weight silu(gate) x up of that (pack)."""
+        for a gated weight silu(gate) x up of that (pack). prompt_rows: ascending row ranges
+        [begin, end) of prompt tokens (see tm.h: a quantized weight's bf16 prompt rows may run
+        on its dequantized bf16 form)."""
         _check(x.dim() == 2 and x.shape[1] == w.k and x.dtype in DTYPES
                and (w.bits or x.dtype == w.packed.dtype),
                f"linear: x {tuple(x.shape)} {x.dtype} vs weight ({w.n}, {w.k}) {w.packed.dtype}")
@@ -194,8 +198,10 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         out = torch.empty(x.shape[0], w.n // 2 if w.gated else w.n,
                           dtype=torch.float32 if out_fp32 else x.dtype, device=x.device)
         self._sync_threads()
+        ranges = _row_ranges(prompt_rows, x.shape[0]) if w.bits else None
         self._lib.tm_linear_fwd(DTYPES[x.dtype], x.data_ptr(), x.shape[0], ctypes.byref(w.struct),
-                                DTYPES[out.dtype], out.data_ptr())
+                                DTYPES[out.dtype], out.data_ptr(), _ptr(ranges),
+                                0 if ranges is None else ranges.numel() // 2)
         return out
 
     # ---- attention --------------------------------------------------------------------------
@@ -239,16 +245,19 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         return out
 
     def decode_stack(self, decoder: Decoder, x: torch.Tensor, positions, pools,
-                     chunk_starts: list[int] | None = None) -> torch.Tensor:
+                     chunk_starts: list[int] | None = None,
+                     prompt_rows: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """All layers of a step (see tm.h); x (batch, hidden) holds the embeddings and is
         returned holding the final norm's output. pools: per KV pool, (k_cache, v_cache,
         slots, block_tables, seq_lens, stage_rows, stages) with caches (layers, blocks,
         block_size, ...); the last two None but for an int4 cache. chunk_starts: where each
         prefill chunk starts and the last one ends (rows before the first: decode rows); the
-        tables and lens hold the decode rows' and then one row per chunk."""
+        tables and lens hold the decode rows' and then one row per chunk. prompt_rows: as
+        linear takes them, for every layer's projections."""
         x = x.contiguous().clone()
         pos = positions.to(torch.int64).contiguous()
         starts = torch.tensor(chunk_starts or [], dtype=torch.int64)
+        ranges = _row_ranges(prompt_rows, x.shape[0])
         keep, structs = [], (KVPool * len(pools))()
         for i, (k_cache, v_cache, *index) in enumerate(pools):
             index = [None if t is None else t.to(torch.int64).contiguous() for t in index]
@@ -260,5 +269,18 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         self._sync_threads()
         self._lib.tm_decode_stack(ctypes.byref(decoder), x.data_ptr(), x.shape[0], pos.data_ptr(),
                                   structs, pools[0][0].shape[2], starts.data_ptr(),
-                                  max(0, len(starts) - 1))
+                                  max(0, len(starts) - 1), _ptr(ranges),
+                                  0 if ranges is None else ranges.numel() // 2)
         return x
+
+
+def _row_ranges(ranges: list[tuple[int, int]] | None, rows: int) -> torch.Tensor | None:
+    """Row ranges as the kernels take them (begin, end pairs, int64), checked: non-empty,
+    ascending, disjoint and inside [0, rows); None for none."""
+    if not ranges:
+        return None
+    flat = [v for r in ranges for v in r]
+    _check(flat[0] >= 0 and flat[-1] <= rows and all(
+        a < b if i % 2 == 0 else a <= b for i, (a, b) in enumerate(zip(flat, flat[1:]))),
+        f"prompt_rows {ranges}: ascending disjoint ranges in [0, {rows})")
+    return torch.tensor(flat, dtype=torch.int64)

@@ -37,11 +37,7 @@ constexpr float kAmxNoMax = -1e30f;  // a row's maximum before any key (finite: 
 // to nearest even as values_dot rounds them
 inline void amx_prob_pairs(vec a, vec b, uint32_t* out) {
 #ifdef TM_ISA_AMX
-  static const __m512i kInterleave = _mm512_set_epi16(
-      31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
-      23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  __m512i both = (__m512i)_mm512_cvtne2ps_pbh(b, a);
-  _mm512_storeu_si512(out, _mm512_permutexvar_epi16(kInterleave, both));
+  store_bf16_pairs(a, b, out);
 #else
   alignas(64) float fa[kLanes], fb[kLanes];
   vstore(fa, a);

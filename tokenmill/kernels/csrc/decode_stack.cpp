@@ -77,8 +77,12 @@ void layer_attention(const tm_decoder& m, const T* q, const T* kc, const T* vc, 
 
 template <typename T>
 void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions,
-                  const tm_kv_pool* pools, int64_t BS, const int64_t* starts, int64_t chunks) {
+                  const tm_kv_pool* pools, int64_t BS, const int64_t* starts, int64_t chunks,
+                  const int64_t* prompt, int64_t ranges) {
   const int64_t decodes = chunks ? starts[0] : B;
+  auto linear = [&](const T* in, const tm_linear& w, T* out) {
+    tm_linear_fwd(m.dtype, in, B, &w, m.dtype, out, prompt, ranges);
+  };
   thread_local Scratch s;
   const int dt = m.dtype;
   const int64_t H = m.hidden, D = m.head_dim, qs = m.heads * D, kvs = m.kv_heads * D;
@@ -98,7 +102,7 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
     const tm_kv_pool& pool = pools[w.pool];
     const float* cos_sin = w.cos_sin ? w.cos_sin : m.cos_sin;
     tm_rms_norm(dt, res, w.input_norm, l == 0 ? nullptr : h, x, B, H, m.eps);  // res += h
-    tm_linear_fwd(dt, x, B, &w.qkv, dt, qkv);
+    linear(x, w.qkv, qkv);
     const int64_t layer_elems = m.kv_format ? 0 : pool.num_blocks * BS * kvs;  // else codes
     T* kc = static_cast<T*>(pool.k) + w.pool_layer * layer_elems;
     T* vc = static_cast<T*>(pool.v) + w.pool_layer * layer_elems;
@@ -126,7 +130,7 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
       quant_kv_layer(m, w.pool_layer, q, k, v, attn, B, pool, BS, w.window, s.f32);
     else
       layer_attention(m, q, kc, vc, attn, decodes, starts, chunks, pool, BS, w.window);
-    tm_linear_fwd(dt, attn, B, &w.o, dt, h);
+    linear(attn, w.o, h);
     if (w.pre_ffn_norm) {  // Gemma: norm the attention output, add, norm again
       tm_rms_norm(dt, h, w.post_norm, nullptr, x, B, H, m.eps);
       tm_rms_norm(dt, res, w.pre_ffn_norm, x, x, B, H, m.eps);  // res += x, x = norm(res)
@@ -134,15 +138,15 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
       tm_rms_norm(dt, res, w.post_norm, h, x, B, H, m.eps);  // res += attention output
     }
     if (w.gate_up.gated) {  // silu(gate) x up straight from the GEMM
-      tm_linear_fwd(dt, x, B, &w.gate_up, dt, act);
+      linear(x, w.gate_up, act);
     } else {
-      tm_linear_fwd(dt, x, B, &w.gate_up, dt, gu);
+      linear(x, w.gate_up, gu);
       if (m.act == TM_ACT_GELU_TANH)
         tm_gelu_tanh_mul(dt, gu, act, B, I);
       else
         tm_silu_mul(dt, gu, act, B, I);
     }
-    tm_linear_fwd(dt, act, B, &w.down, dt, h);
+    linear(act, w.down, h);
     if (w.post_ffn_norm) {
       tm_rms_norm(dt, h, w.post_ffn_norm, nullptr, x, B, H, m.eps);
       std::memcpy(h, x, B * H * sizeof(T));
@@ -158,10 +162,10 @@ using namespace tm;
 extern "C" void tm_decode_stack(const tm_decoder* m, void* x, int64_t batch,
                                 const int64_t* positions, const tm_kv_pool* pools,
                                 int64_t block_size, const int64_t* chunk_starts,
-                                int64_t chunks) {
+                                int64_t chunks, const int64_t* prompt_rows, int64_t ranges) {
   if (m->dtype == TM_BF16)
     return decode_stack(*m, static_cast<bf16*>(x), batch, positions, pools, block_size,
-                        chunk_starts, chunks);
+                        chunk_starts, chunks, prompt_rows, ranges);
   decode_stack(*m, static_cast<float*>(x), batch, positions, pools, block_size, chunk_starts,
-               chunks);
+               chunks, prompt_rows, ranges);
 }

@@ -20,7 +20,6 @@
 
 namespace tm {
 
-constexpr int64_t kPanel = 2 * kLanes;
 #if defined(TM_ISA_AVX512) || defined(TM_ISA_AVX512_BF16)
 constexpr int kTileRows = 8;  // 16 of the 32 vector registers accumulate
 #elif defined(TM_ISA_AVX2) || defined(TM_ISA_NEON)
@@ -300,8 +299,8 @@ void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out) {
 }
 
 void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
-                   void* out) {
-  if (w->quant) return quant_linear(dtype, x, m, w, out_dtype, out);
+                   void* out, const int64_t* prompt_rows, int64_t ranges) {
+  if (w->quant) return quant_linear(dtype, x, m, w, out_dtype, out, prompt_rows, ranges);
   packed_linear(dtype, x, m, w, out_dtype, out);
 }
 

@@ -16,9 +16,10 @@ void pack_rows(int dtype, int64_t n, int64_t k, void* out, const RowFn& row);
 void packed_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
                    void* out);
 
-// quant.cpp: the GEMM on block-quantized weights (tm_linear_fwd with quantization)
+// quant.cpp: the GEMM on block-quantized weights (tm_linear_fwd with quantization); the
+// prompt row ranges as tm_linear_fwd takes them
 void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
-                  void* out);
+                  void* out, const int64_t* prompt, int64_t ranges);
 
 // kv_store.cpp: rows (n, D <= 256) float32 <- rows @ R, or @ R^T (the int4 KV rotation)
 void rotate_rows(float* x, int64_t n, int64_t D, const float* R, bool transpose);

@@ -27,6 +27,9 @@
 #define TM_AMX_QUANT
 #include "quant_amx.h"
 #endif
+#ifdef TM_ISA_AMX  // prompt rows of bf16 on bf16 tiles, the weights dequantized a panel at a time
+#include "quant_dequant_amx.h"
+#endif
 
 namespace tm {
 
@@ -131,8 +134,9 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
   });
 }
 
-void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
-                  void* out) {
+// Rows [0, m) of x on the int8 path: quantized per block of 32, then the integer GEMM.
+void int8_rows(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
+               void* out) {
   const int64_t K = w->k, blocks = m * (K / kBlock);
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dx, sx;
@@ -157,6 +161,36 @@ void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int o
   };
   if (out_dtype == TM_F32) run(static_cast<float*>(out));
   else run(static_cast<bf16*>(out));
+}
+
+void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
+                  void* out, const int64_t* prompt, int64_t ranges) {
+#ifdef TM_ISA_AMX
+  if (ranges && dequant_runs(dtype, w)) {  // int8 rows and prompt rows, run apart
+    const int64_t xs = dtype == TM_F32 ? 4 : 2, os = out_dtype == TM_F32 ? 4 : 2;
+    auto part = [&](int64_t a, int64_t b, bool dense) {
+      if (b <= a) return;
+      const void* xa = static_cast<const char*>(x) + a * w->k * xs;
+      void* oa = static_cast<char*>(out) + a * w->n * os;
+      if (!dense) return int8_rows(dtype, xa, b - a, w, out_dtype, oa);
+      const auto* xb = static_cast<const bf16*>(xa);
+      auto run = [&](auto* o) {
+        if (w->quant == TM_QI4) qgemm_dequant<4>(xb, b - a, w, o);
+        else qgemm_dequant<8>(xb, b - a, w, o);
+      };
+      out_dtype == TM_F32 ? run(static_cast<float*>(oa)) : run(static_cast<bf16*>(oa));
+    };
+    int64_t done = 0;
+    for (int64_t r = 0; r < ranges; ++r) {
+      part(done, prompt[2 * r], false);
+      part(prompt[2 * r], prompt[2 * r + 1], true);
+      done = prompt[2 * r + 1];
+    }
+    return part(done, m, false);
+  }
+#endif
+  (void)prompt, (void)ranges;  // elsewhere a prompt row's int8 path is its only one
+  int8_rows(dtype, x, m, w, out_dtype, out);
 }
 
 }  // namespace tm

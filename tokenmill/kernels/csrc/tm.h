@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 13
+#define TM_ABI_VERSION 14
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -114,9 +114,13 @@ TM_API void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const ui
 TM_API int tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k,
                            const int64_t* rows, int64_t count, float* out);
 /* out (m, n) in out_dtype = x (m, k) @ w.T + bias; x in the packed weight's dtype, or float32 /
- * bfloat16 for quantized weights (quantized per 32 to int8 inside) */
+ * bfloat16 for quantized weights (quantized per 32 to int8 inside). prompt_rows: `ranges`
+ * ascending row ranges [begin, end) (2 x ranges values) holding prompt tokens: of bf16 x
+ * against 4- or 8-bit codes, the AMX build multiplies them by the weights dequantized to bf16
+ * instead (other rows, and other builds: the int8 path; a row's bits never depend on the
+ * rows beside it) */
 TM_API void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w,
-                          int out_dtype, void* out);
+                          int out_dtype, void* out, const int64_t* prompt_rows, int64_t ranges);
 
 /* out = w * normalize(x); with add: x = x + add first (x is the residual stream) */
 TM_API void tm_rms_norm(int dtype, void* x, const void* w, const void* add, void* out,
@@ -194,10 +198,12 @@ TM_API void tm_decode_attention_quant(const float* q, const tm_kv_pages* k, cons
  * final norm's output; caches (layers, blocks, block_size, kv_heads, head_dim). Without chunks
  * every row is a decode row; else rows [0, chunk_starts[0]) are decode rows and chunk c (of an
  * unquantized cache) is one sequence's prefill rows [chunk_starts[c], chunk_starts[c + 1]),
- * its block table and length (after the chunk) row chunk_starts[0] + c of each pool's. */
+ * its block table and length (after the chunk) row chunk_starts[0] + c of each pool's.
+ * prompt_rows, ranges: the step's prompt tokens, for every layer's tm_linear_fwd. */
 TM_API void tm_decode_stack(const tm_decoder* model, void* x, int64_t batch,
                             const int64_t* positions, const tm_kv_pool* pools,
-                            int64_t block_size, const int64_t* chunk_starts, int64_t chunks);
+                            int64_t block_size, const int64_t* chunk_starts, int64_t chunks,
+                            const int64_t* prompt_rows, int64_t ranges);
 
 #ifdef __cplusplus
 }

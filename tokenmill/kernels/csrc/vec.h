@@ -37,6 +37,8 @@
 
 namespace tm {
 
+constexpr int64_t kPanel = 2 * kLanes;  // output columns of a packed GEMM panel (gemm.cpp)
+
 // Round to T's precision, kept as float32 (what storing into a T tensor and reading back does).
 template <typename T> inline vec vrnd(vec v) { return v; }
 template <> inline vec vrnd<bf16>(vec v) { return vround_bf16(v); }
