@@ -4,7 +4,8 @@ builds its KV cache for its KV heads, then runs every step the driver broadcasts
 forward pass over its shard, whose collectives pair with the driver's. It samples nothing.
 
 The step plan is what ModelRunner.prepare reads of each scheduled sequence (PlannedSeq):
-tokens, positions, block tables. The scheduler and block manager live in the driver only.
+tokens, positions, block tables, the prompt's length. The scheduler and block manager live in
+the driver only.
 """
 
 from __future__ import annotations
@@ -35,12 +36,13 @@ class PlannedSeq:
     block_tables: list[list[int]]
     decode: bool  # runs as decode rows
     stage_tables: list[list[int]]  # a staged KV cache's (int4)
+    num_prompt_tokens: int  # its prompt's length (which rows are prompt tokens)
 
     @classmethod
     def of(cls, seq, n: int) -> PlannedSeq:
         first = seq.num_computed_tokens
         return cls(first, seq.step_token_ids(first, n), seq.block_tables, seq.runs_as_decode(n),
-                   seq.stage_tables)
+                   seq.stage_tables, seq.num_prompt_tokens)
 
     def step_token_ids(self, first: int, n: int) -> list[int]:
         return self.tokens

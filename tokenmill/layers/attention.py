@@ -47,6 +47,9 @@ class AttentionContext:
     stage_mapping: torch.Tensor | None = None
     decode_stages: torch.Tensor | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # rows [begin, end) of the step's prompt tokens (prefill chunks' rows before the prompt's
+    # end), ascending: ops.prompt_rows
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
     # The second block pool's view (same tokens, its own cache, slots and tables) for models
     # whose sliding-window layers keep their K/V apart from the full-attention layers'.
     window_ctx: AttentionContext | None = None

@@ -146,7 +146,7 @@ class FusedDecoder:
             starts = [ctx.num_decode_tokens] + [chunk.end for chunk in ctx.prefills]
             pools = [(c.kv_cache.k[0], c.kv_cache.v[0], c.slot_mapping, *_step_tables(c),
                       None, None) for c in (ctx, ctx.window_ctx)[:self.num_pools]]
-            return self.lib.decode_stack(st, x, positions, pools, starts)
+            return self.lib.decode_stack(st, x, positions, pools, starts, ctx.prompt_rows)
         pools = [(c.kv_cache.k[0], c.kv_cache.v[0], c.slot_mapping, c.decode_block_tables,
                   c.decode_seq_lens, c.stage_mapping, c.decode_stages)
                  for c in (ctx, ctx.window_ctx)[:self.num_pools]]

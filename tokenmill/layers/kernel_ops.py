@@ -5,6 +5,8 @@ against its reference."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tokenmill.layers.ops import KERNEL_DTYPES, TorchOps
@@ -20,6 +22,7 @@ class KernelOps(TorchOps):
         self.name = f"kernels ({lib.isa})"
         self.planner = planner or GemmPlanner.for_lib(lib)
         self._sdpa_from: dict = {}  # (heads, kv heads, head_dim, dtype) -> key length
+        self._prompt: tuple | None = None  # the step's (prompt row ranges, rows): prompt_rows
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
@@ -70,6 +73,19 @@ class KernelOps(TorchOps):
     def dequantize(self, q, rows=None):
         return self.lib.qdequantize(q, rows)
 
+    @contextlib.contextmanager
+    def prompt_rows(self, ranges, rows):
+        previous, self._prompt = self._prompt, ((ranges, rows) if ranges else None)
+        try:
+            yield
+        finally:
+            self._prompt = previous
+
+    def _prompt_of(self, x) -> list | None:
+        """The step's prompt row ranges for a call over all its rows (not one over some of
+        them: MoE experts' routed rows, the LM head's sampled ones)."""
+        return self._prompt[0] if self._prompt and x.shape[0] == self._prompt[1] else None
+
     def linear(self, x, layer, out_fp32=False):
         """The packed-weight GEMM, or PyTorch's (oneDNN / MKL) from the row count where the
         GEMM planner measured it faster; logits (out_fp32) always come from the packed GEMM's
@@ -79,7 +95,8 @@ class KernelOps(TorchOps):
         if prepared is None or (x.dtype != layer.weight.dtype and not quantized) or (
                 not out_fp32 and x.shape[0] >= prepared.torch_from_rows) or prepared.packed.gated:
             return super().linear(x, layer, out_fp32)
-        return self.lib.linear(x, prepared.packed, out_fp32)
+        return self.lib.linear(x, prepared.packed, out_fp32,
+                               self._prompt_of(x) if quantized else None)
 
     def linear_act(self, x, layer, act):
         """silu_mul of a gate|up layer straight from the packed GEMM (a gated pack: one pass,

@@ -100,6 +100,13 @@ class TorchOps:
     def quantized_rows(self, q, ids: torch.Tensor) -> torch.Tensor:
         return self.dequantize(q, ids)
 
+    @contextlib.contextmanager
+    def prompt_rows(self, ranges: list[tuple[int, int]], rows: int):
+        """While it lasts, a linear call over a step's `rows` rows knows which of them are
+        prompt tokens (ranges [begin, end)): the kernels may multiply those by a quantized
+        weight dequantized to bf16 (tm.h, tm_linear_fwd). The reference computes all alike."""
+        yield
+
     def linear(self, x: torch.Tensor, layer, out_fp32: bool = False) -> torch.Tensor:
         """x @ layer.weight.T + layer.bias, in x's dtype, or in float32 with out_fp32."""
         weight = layer.weight
