@@ -154,10 +154,10 @@ def test_bad_quantized_weights_are_refused(lib):
 
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_prompt_rows_on_the_dequantized_weights(lib, bits):
-    """Rows named as prompt tokens: on the AMX build (4- and 8-bit codes) bf16 rows times the
-    weights dequantized to bf16, float32 sums (no int8 activations); every other row, and every
-    row elsewhere, the int8 path's bits. Either way a row's bits do not depend on the rows
-    beside it, nor on how the ranges split (chunked prompts)."""
+    """Rows named as prompt tokens: on the AMX build bf16 rows times the weights dequantized to
+    bf16, float32 sums (no int8 activations); every other row, and every row elsewhere, the
+    int8 path's bits. Either way a row's bits do not depend on the rows beside it, nor on how
+    the ranges split (chunked prompts)."""
     bq = random_bq(77, 256, bits, seed=7)
     g = torch.Generator().manual_seed(7)
     bias = torch.randn(77, generator=g)
@@ -167,7 +167,7 @@ def test_prompt_rows_on_the_dequantized_weights(lib, bits):
     prompt = torch.zeros(130, dtype=torch.bool)
     for a, b in ranges:
         prompt[a:b] = True
-    dense = lib.isa == "amx" and bits != 5
+    dense = lib.isa == "amx"
     ref = F.linear(x.float(), bq.dequantize().bfloat16().float(), bias)
     for out_fp32 in (True, False):
         got = lib.linear(x, layer, out_fp32, prompt_rows=ranges)

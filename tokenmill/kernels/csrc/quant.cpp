@@ -176,6 +176,7 @@ void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int o
       const auto* xb = static_cast<const bf16*>(xa);
       auto run = [&](auto* o) {
         if (w->quant == TM_QI4) qgemm_dequant<4>(xb, b - a, w, o);
+        else if (w->quant == TM_QI5) qgemm_dequant<5>(xb, b - a, w, o);
         else qgemm_dequant<8>(xb, b - a, w, o);
       };
       out_dtype == TM_F32 ? run(static_cast<float*>(oa)) : run(static_cast<bf16*>(oa));

@@ -1,5 +1,5 @@
 // AMX only: quant.cpp's prompt rows on bf16 tiles (quant_linear's prompt ranges, dequant_runs):
-// bf16 input rows against 4- or 8-bit block-quantized weights. Each thread
+// bf16 input rows against 4-, 5- or 8-bit block-quantized weights. Each thread
 // turns two groups of 16 outputs (one 32-column panel) at a time back into bf16 weights,
 // w = d c + m rounded to bf16, in the pair layout of the bf16 GEMM's tiles (gemm_amx.h), and
 // multiplies every input row by them there: the dequantizing is paid once per panel for all
@@ -18,38 +18,50 @@
 
 namespace tm {
 
-// Whether prompt rows of x in `dtype` against w run here (bf16 rows; 4- and 8-bit codes;
-// batch-invariant mode keeps every row on the int8 path)
+// Whether prompt rows of x in `dtype` against w run here (bf16 rows; batch-invariant mode keeps
+// every row on the int8 path)
 inline bool dequant_runs(int dtype, const tm_linear* w) {
-  return dtype == TM_BF16 && !w->row_invariant && w->quant != TM_QI5;
+  return dtype == TM_BF16 && !w->row_invariant;
 }
 
 // The group of 16 outputs at grp (K / 32 blocks) as bf16 columns [col0, col0 + 16) of a panel:
 // weight (k, col) at panel[k / 2 * 2 kPanel + 2 col + k % 2]. One lane per output: a chunk's
-// 64 bytes are 16 lanes of 4 codes (byte 4 o + t).
+// 64 bytes are 16 lanes of 4 codes (byte 4 o + t); 5 bits: the fifth bits of chunk j's low (high)
+// nibbles are bits 4 o + t of the 64-bit word 2 j (2 j + 1) after the chunks.
 template <int BITS>
 void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
   static_assert(kLanes == kGroup, "one lane per output of a group");
-  const __m512i mask = _mm512_set1_epi32(BITS == 8 ? 0xFF : 0x0F);
+  const __m512i mask = _mm512_set1_epi32(BITS == 8 ? 0xFF : 0x0F), one = _mm512_set1_epi32(1);
+  // a fifth-bit word as lanes: lane o holds bits 4 o .. 4 o + 3 at its bottom
+  const __m512i dword = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i shift4 = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* blk = grp + b * group_bytes(BITS);
     const auto* h = reinterpret_cast<const uint16_t*>(blk);
     const vec d = vload_f16(h), mn = vload_f16(h + kGroup);
-    auto weight = [&](__m512i lanes, int shift) {  // the code at bit `shift` of each lane
-      const __m512i c = _mm512_and_si512(_mm512_srli_epi32(lanes, shift), mask);
-      return vfma(_mm512_cvtepi32_ps(c), d, mn);
-    };
-    auto put = [&](int64_t k, __m512i lanes, int shift) {  // k and k + 1, 8 bits apart
-      store_bf16_pairs(weight(lanes, shift), weight(lanes, shift + 8),
-                       reinterpret_cast<uint32_t*>(panel + (b * kBlock + k) / 2 * 2 * kPanel + 2 * col0));
-    };
     for (int64_t j = 0; j < (BITS == 8 ? 8 : 4); ++j) {
       const __m512i c = _mm512_loadu_si512(blk + 64 + 64 * j);
-      put(4 * j, c, 0);  // (8 bits, low nibbles) k = 4 j + t: bits 8 t
-      put(4 * j + 2, c, 16);
-      if (BITS == 4) {  // high nibbles: k = 16 + 4 j + t, bits 8 t + 4
-        put(16 + 4 * j, c, 4);
-        put(16 + 4 * j + 2, c, 20);
+      __m512i fifth[2] = {};
+      for (int hi = 0; BITS == 5 && hi < 2; ++hi) {
+        uint64_t word;
+        std::memcpy(&word, blk + 64 + 256 + 8 * (2 * j + hi), 8);
+        fifth[hi] = _mm512_srlv_epi32(_mm512_permutexvar_epi32(dword, _mm512_set1_epi64(word)), shift4);
+      }
+      auto weight = [&](int t, int hi) {  // code t of each lane (8 t bits in; high nibble: + 4)
+        __m512i code = _mm512_and_si512(_mm512_srli_epi32(c, 8 * t + 4 * hi), mask);
+        if (BITS == 5)
+          code = _mm512_or_si512(code, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(fifth[hi], t), one), 4));
+        return vfma(_mm512_cvtepi32_ps(code), d, mn);
+      };
+      auto put = [&](int64_t k, int t, int hi) {  // k = 4 j + t (+ 16 high) and k + 1
+        store_bf16_pairs(weight(t, hi), weight(t + 1, hi),
+                         reinterpret_cast<uint32_t*>(panel + (b * kBlock + k) / 2 * 2 * kPanel + 2 * col0));
+      };
+      put(4 * j, 0, 0);
+      put(4 * j + 2, 2, 0);
+      if (BITS != 8) {
+        put(16 + 4 * j, 0, 1);
+        put(16 + 4 * j + 2, 2, 1);
       }
     }
   }

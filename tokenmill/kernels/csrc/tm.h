@@ -116,7 +116,7 @@ TM_API int tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k,
 /* out (m, n) in out_dtype = x (m, k) @ w.T + bias; x in the packed weight's dtype, or float32 /
  * bfloat16 for quantized weights (quantized per 32 to int8 inside). prompt_rows: `ranges`
  * ascending row ranges [begin, end) (2 x ranges values) holding prompt tokens: of bf16 x
- * against 4- or 8-bit codes, the AMX build multiplies them by the weights dequantized to bf16
+ * against block-quantized codes, the AMX build multiplies them by the weights dequantized to bf16
  * instead (other rows, and other builds: the int8 path; a row's bits never depend on the
  * rows beside it) */
 TM_API void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w,
