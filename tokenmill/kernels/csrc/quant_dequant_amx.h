@@ -1,7 +1,7 @@
 // AMX only: quant.cpp's prompt rows on bf16 tiles (quant_linear's prompt ranges, dequant_runs):
-// bf16 input rows against 4-, 5- or 8-bit block-quantized weights. Each thread
-// turns two groups of 16 outputs (one 32-column panel) at a time back into bf16 weights,
-// w = d c + m rounded to bf16, in the pair layout of the bf16 GEMM's tiles (gemm_amx.h), and
+// bf16 input rows against 4-, 5- or 8-bit block-quantized weights. Each thread turns two groups
+// of 16 outputs (one 32-column panel) at a time back into bf16 weights, w = d c + m rounded to
+// bf16, in the pair layout of the bf16 GEMM's tiles (gemm_amx.h), and
 // multiplies every input row by them there: the dequantizing is paid once per panel for all
 // the rows, and the product is TDPBF16PS alone, without the int8 tiles' vector rescaling of
 // every block's sums. The results are those of a bf16 model holding the dequantized weights
@@ -45,17 +45,20 @@ void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
       for (int hi = 0; BITS == 5 && hi < 2; ++hi) {
         uint64_t word;
         std::memcpy(&word, blk + 64 + 256 + 8 * (2 * j + hi), 8);
-        fifth[hi] = _mm512_srlv_epi32(_mm512_permutexvar_epi32(dword, _mm512_set1_epi64(word)), shift4);
+        const __m512i lanes = _mm512_permutexvar_epi32(dword, _mm512_set1_epi64(word));
+        fifth[hi] = _mm512_srlv_epi32(lanes, shift4);
       }
       auto weight = [&](int t, int hi) {  // code t of each lane (8 t bits in; high nibble: + 4)
         __m512i code = _mm512_and_si512(_mm512_srli_epi32(c, 8 * t + 4 * hi), mask);
-        if (BITS == 5)
-          code = _mm512_or_si512(code, _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(fifth[hi], t), one), 4));
+        if (BITS == 5) {
+          const __m512i bit = _mm512_and_si512(_mm512_srli_epi32(fifth[hi], t), one);
+          code = _mm512_or_si512(code, _mm512_slli_epi32(bit, 4));
+        }
         return vfma(_mm512_cvtepi32_ps(code), d, mn);
       };
       auto put = [&](int64_t k, int t, int hi) {  // k = 4 j + t (+ 16 high) and k + 1
-        store_bf16_pairs(weight(t, hi), weight(t + 1, hi),
-                         reinterpret_cast<uint32_t*>(panel + (b * kBlock + k) / 2 * 2 * kPanel + 2 * col0));
+        bf16* dst = panel + (b * kBlock + k) / 2 * 2 * kPanel + 2 * col0;
+        store_bf16_pairs(weight(t, hi), weight(t + 1, hi), reinterpret_cast<uint32_t*>(dst));
       };
       put(4 * j, 0, 0);
       put(4 * j + 2, 2, 0);
@@ -81,10 +84,13 @@ void qgemm_dequant(const bf16* x, int64_t m, const tm_linear* w, O* out) {
     AmxTiles tiles(true);
     for (int64_t p = p0; p < p1; ++p) {
       dequant_group<BITS>(wq + 2 * p * gstride, K, panel.data(), 0);
-      if (2 * p + 1 < groups) dequant_group<BITS>(wq + (2 * p + 1) * gstride, K, panel.data(), kGroup);
-      else  // no second group: its columns zero
+      if (2 * p + 1 < groups) {
+        dequant_group<BITS>(wq + (2 * p + 1) * gstride, K, panel.data(), kGroup);
+      } else {  // no second group: its columns zero
         for (int64_t kp = 0; kp < pairs; ++kp)
-          std::fill(panel.begin() + kp * 2 * kPanel + 2 * kGroup, panel.begin() + (kp + 1) * 2 * kPanel, bf16{});
+          std::fill(panel.begin() + kp * 2 * kPanel + 2 * kGroup,
+                    panel.begin() + (kp + 1) * 2 * kPanel, bf16{});
+      }
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
       for (int64_t r0 = 0; r0 < m; r0 += block) {
         auto emit = [&](const float (*res)[kPanel], int64_t row, int64_t n) {
