@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "gemm_amx.h"
+#include "gemm_store.h"
 #include "quant_tiles.h"
 
 namespace tm {
@@ -94,16 +95,10 @@ void qgemm_dequant(const bf16* x, int64_t m, const tm_linear* w, O* out) {
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
       for (int64_t r0 = 0; r0 < m; r0 += block) {
         auto emit = [&](const float (*res)[kPanel], int64_t row, int64_t n) {
-          for (int64_t i = 0; i < n; ++i) {
-            O* dst = out + (r0 + row + i) * N + n0;
-            for (int64_t c = 0; c < cols; c += kLanes) {
-              const int64_t n = std::min<int64_t>(kLanes, cols - c);
-              vec v = vload(res[i] + c);
-              if (w->bias) v = vadd(v, vload_part(w->bias + n0 + c, n));
-              if (n == kLanes) vstore(dst + c, v);
-              else vstore_part(dst + c, v, n);
-            }
-          }
+          for (int64_t i = 0; i < n; ++i)
+            store_tile<1>(*reinterpret_cast<const float(*)[1][kPanel]>(res + i),
+                          w->bias ? w->bias + n0 : nullptr, out + (r0 + row + i) * N + n0, N,
+                          cols, false);
         };
         amx_panel(std::min(block, m - r0), x + r0 * K, K, panel.data(), pairs, pad.data(), emit);
       }
