@@ -98,9 +98,12 @@ class Sequence:
         return self.num_uncomputed_tokens == 1 and self.num_output_tokens > 0
 
     def runs_as_decode(self, n: int) -> bool:
-        """Whether a step computing n of its tokens runs them as decode rows: one token, or a
-        verify step's last token + drafts (anything else is a prefill chunk)."""
-        return n == 1 or bool(self.spec_token_ids)
+        """Whether a step computing n of its tokens runs them as decode rows: one generated
+        token, or a verify step's last token + drafts (anything else is a prefill chunk). A
+        prompt's one-token chunk stays a chunk: the decode and prefill attention kernels sum in
+        different orders, so a prompt's numbers would otherwise depend on how it was chunked."""
+        return bool(self.spec_token_ids) or (
+            n == 1 and self.num_computed_tokens >= self.num_prompt_tokens)
 
     def step_token_ids(self, first: int, n: int) -> list[int]:
         """The n tokens a step feeds from position first: known tokens, then drafts."""
