@@ -72,6 +72,25 @@ def test_gated_linear_is_linear_then_silu_mul(kops, dtype, rows, k):
     close(gated, ops.silu_mul_ref(F.linear(x, w, b)), dtype)
 
 
+@pytest.mark.skipif("amx" not in ISAS, reason="needs AMX")
+@pytest.mark.parametrize("gated", [False, True])
+def test_amx_bf16_row_does_not_depend_on_the_row_count(gated):
+    """On AMX every bf16 row count runs on tiles (under 16 rows, tiles of that many rows), so a
+    row's bits are the same in a call of 1 row or of 70 when k is whole tile steps: a bf16
+    model's decode, verify and batched rows agree (exact speculation on bf16 weights)."""
+    torch.manual_seed(0)
+    lib = load_cpu_kernels("amx")
+    n = 4 * lib.panel_rows
+    for k in (64, 576):
+        w, x = torch.randn(n, k).to(torch.bfloat16), torch.randn(70, k).to(torch.bfloat16)
+        packed, plain = lib.pack(w, gated=gated), lib.pack(w)
+        full, logits = lib.linear(x, packed), lib.linear(x, plain, out_fp32=True)
+        for m in (1, 2, 3, 4, 5, 15, 16, 17, 33):
+            assert torch.equal(lib.linear(x[:m], packed), full[:m]), (k, m)
+            assert torch.equal(lib.linear(x[m:], packed), full[m:]), (k, m)
+            assert torch.equal(lib.linear(x[:m], plain, out_fp32=True), logits[:m]), (k, m)
+
+
 def test_gated_layer_runs_its_act_in_the_gemm(kops):
     """A gated gate|up Linear: linear_act gives the reference's silu_mul of the layer from
     the gated pack's GEMM; the layer called alone still gives gate|up (PyTorch's GEMM)."""

@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import random_prompts, save_tiny_model
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.block_manager import hash_block
+from tokenmill.kernels import load_cpu_kernels
+from tokenmill.layers import ops
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40)
 
@@ -111,6 +113,25 @@ def test_quantized_kv_cache_same_output_with_drafts(tiny_llama, kv_dtype):
     got, outs = run(llm, prompts())
     assert got == base and sum(o.metrics.num_accepted_tokens for o in outs) > 0
     assert_all_free(llm)
+
+
+@pytest.mark.skipif(not ops.available() or load_cpu_kernels().isa != "amx",
+                    reason="bf16 rows are row-count invariant on the AMX build only")
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_bfloat16_greedy_is_token_identical_on_amx(tmp_path_factory, tiny_draft, method):
+    """On AMX a bf16 GEMM row's bits do not depend on how many rows the call has, so drafts
+    verified on bf16 weights are exact too, alone and batched with chunked prefill (head size
+    32: the AMX prefill attention, whose rows do not depend on where a chunk ends either)."""
+    path = tmp_path_factory.mktemp("tiny-llama-d32")
+    save_tiny_model(path, "llama", hidden_size=128, intermediate_size=256)
+    base = run(LLM(str(path), dtype="bfloat16"), prompts())[0]
+    for k in (1, 4, 8):
+        llm = LLM(str(path), dtype="bfloat16", max_num_batched_tokens=24,
+                  speculative_config=spec(method, k, tiny_draft))
+        got, outs = run(llm, prompts())
+        assert got == base and sum(o.metrics.num_draft_tokens for o in outs) > 0
+        assert [run(llm, [p])[0][0] for p in prompts()[:3]] == base[:3]
+        assert_all_free(llm)
 
 
 def test_a_model_drafting_for_itself_is_always_accepted(tiny_llama, expected):

@@ -5,12 +5,14 @@ By default the kernels pick their tiling by the number of rows (a GEMM tile of 1
 two accumulator sets and sums them, a larger tile one; PyTorch's GEMM takes over from a
 measured row count; prefill chunks attend with a tiled kernel or SDPA), so the same token's
 logits differ in the last bits between running alone, batched, in a prefill chunk or as a
-decode step, and a near-tie can flip a greedy token. Here every linear layer computes each
-input row with the one-row micro-kernel (tm_linear.row_invariant), and every query row of a
-prefill chunk attends through the decode-attention kernel, reading the cache as a decode step
-at that position would. Everything else (norms, RoPE, activations, sampling with a seeded
-request's own generator) is row by row already. So temperature 0 and seeded sampling give
-identical tokens and logprobs alone, batched, chunked, prefix-cached or not.
+decode step, and a near-tie can flip a greedy token. (The AMX build's bf16 GEMMs run every row
+count on tiles and are row-invariant already; its float32 GEMMs and the plan's PyTorch choice
+are not.) Here every linear layer computes each input row with the one-row micro-kernel
+(tm_linear.row_invariant), and every query row of a prefill chunk attends through the
+decode-attention kernel, reading the cache as a decode step at that position would.
+Everything else (norms, RoPE, activations, sampling with a seeded request's own generator) is
+row by row already. So temperature 0 and seeded sampling give identical tokens and logprobs
+alone, batched, chunked, prefix-cached or not.
 
 A quantized cache (int8, fp8, int4) is read the same way: its decode kernel never splits a
 row's positions between tasks here, and each prefill row attends as that decode step would.

@@ -13,10 +13,11 @@ namespace tm {
 
 // The thread's tile configuration for one kernel call, released at the end (other code on this
 // thread, oneDNN's, loads its own). left_bytes: the width of tiles 4-5; tiles 6-7 then have
-// left_bytes / 4 rows (the k groups of 4 bytes a left row holds).
+// left_bytes / 4 rows (the k groups of 4 bytes a left row holds). rows: the rows of tiles 0-5
+// (a call of fewer than 16 input rows: its rows read in place, no padding).
 class AmxTiles {
  public:
-  explicit AmxTiles(bool on, int left_bytes = 64) : on_(on) {
+  explicit AmxTiles(bool on, int left_bytes = 64, int rows = 16) : on_(on) {
     if (!on_) return;
     struct alignas(64) {
       uint8_t palette, start_row, reserved[14];
@@ -26,7 +27,7 @@ class AmxTiles {
     cfg.palette = 1;
     for (int t = 0; t < 8; ++t) {
       cfg.colsb[t] = t == 4 || t == 5 ? left_bytes : 64;
-      cfg.rows[t] = t >= 6 ? left_bytes / 4 : 16;
+      cfg.rows[t] = t >= 6 ? left_bytes / 4 : rows;
     }
     _tile_loadconfig(&cfg);
   }
