@@ -113,6 +113,7 @@ def test_torch_from_rows():
     assert times([1, 2, 3, 4], [0.5, 9, 1, 1]).torch_from_rows() == 16  # only from 16 on
     assert times([1, 2, 3, 4], [0.5, 1, 1, 1]).torch_from_rows() == 1
     assert times([1, 2, 3, 4], [1, 2, 3, 3.9]).torch_from_rows() == NEVER  # within the margin
+    assert times([1, 2, 3, 4], [9, 9, 2.5, 3]).torch_from_rows(1.25) == 64
 
 
 def test_fused_max_rows(monkeypatch):
@@ -151,6 +152,20 @@ def test_plan_is_measured_once_and_cached(monkeypatch, tmp_path):
     assert planner.prepare(w, None).torch_from_rows == 16 and len(calls) == 1
     again = gemm_plan.GemmPlanner(lib, tmp_path / "plan.json")  # a later process
     assert again.prepare(w, None).torch_from_rows == 16 and len(calls) == 1
+
+
+@needs_compiler
+def test_bf16_on_amx_keeps_its_kernel_unless_much_slower(monkeypatch, tmp_path):
+    """On AMX a bf16 row's bits do not depend on the call's row count (gemm_amx.h), and
+    PyTorch's would: it takes a bf16 GEMM over there only where 1.25x faster (elsewhere, and
+    for float32, 1.05x)."""
+    monkeypatch.delenv("TOKENMILL_GEMM", raising=False)
+    lib = kernels.load_cpu_kernels()
+    monkeypatch.setattr(gemm_plan, "measure", lambda *a: times([1, 2, 3, 4], [9, 9, 2.5, 3]))
+    planner = gemm_plan.GemmPlanner(lib, tmp_path / "plan.json")
+    w = torch.randn(40, 24)
+    assert planner.prepare(w, None).torch_from_rows == 16
+    assert planner.prepare(w.bfloat16(), None).torch_from_rows == (64 if lib.isa == "amx" else 16)
 
 
 @needs_compiler

@@ -4,8 +4,10 @@ decode step (packed GEMMs only) beats running the layers op by op.
 
 Decided by measuring both GEMMs at first use per (CPU, kernel build, threads, dtype, weight
 shape) over a ladder of row counts; the times are cached on disk next to the compiled kernels
-and each decision is logged. TOKENMILL_GEMM=packed or =torch forces one GEMM for every row
-count (torch also turns the fused decode step off: it runs packed GEMMs only).
+and each decision is logged. PyTorch must win by 5%, or by 25% for bf16 on the AMX build (whose
+rows are the same bits at every row count, which handing PyTorch some row counts would undo).
+TOKENMILL_GEMM=packed or =torch forces one GEMM for every row count (torch also turns the
+fused decode step off: it runs packed GEMMs only).
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ logger = logging.getLogger("tokenmill")
 NEVER = 1 << 62
 ROWS = (1, 4, 16, 64, 256, 1024)  # the ladder measured
 MARGIN = 1.05  # PyTorch must be this much faster to take over (noise must not flip choices)
+# ... and this much where tokenmill's kernel gives a row the same bits at every row count (bf16
+# on AMX tiles, gemm_amx.h): PyTorch's rows take other sums, so handing it the calls of some row
+# counts would make a row's numbers depend on its step again (bf16 speculation, batching)
+INVARIANT_MARGIN = 1.25
 MAX_CALL_S = 0.25  # ladder points whose GEMM would take longer are not measured
 # What running a decoder layer op by op costs over the fused decode step besides its GEMMs
 # (Python and per-call overhead of ~15 ops; ~0.13-0.24 ms measured, docs/performance.md).
@@ -42,12 +48,12 @@ class GemmTimes:
     packed: list[float]
     torch: list[float]
 
-    def torch_from_rows(self) -> int:
-        """The smallest measured row count from which PyTorch's matmul won at every larger
-        measured count (NEVER when it did not win at the largest)."""
+    def torch_from_rows(self, margin: float = MARGIN) -> int:
+        """The smallest measured row count from which PyTorch's matmul won (by `margin`) at
+        every larger measured count (NEVER when it did not win at the largest)."""
         first = NEVER
         for rows, ours, theirs in reversed(list(zip(self.rows, self.packed, self.torch))):
-            if theirs * MARGIN >= ours:
+            if theirs * margin >= ours:
                 break
             first = rows
         return first
@@ -76,15 +82,17 @@ def fused_max_rows(layers: list[list[PreparedLinear]]) -> int:
     if mode:
         return NEVER if mode == "packed" else 0
     # quantized layers have no PyTorch alternative (times None): they run the same either way
-    times = [p.times for layer in layers for p in layer if p.times is not None]
+    times = [(p.times, p.torch_from_rows) for layer in layers for p in layer
+             if p.times is not None]
     if not times:
         return NEVER
     best = 0
-    for i, rows in enumerate(times[0].rows):
-        if any(i >= len(t.rows) for t in times):
+    for i, rows in enumerate(times[0][0].rows):
+        if any(i >= len(t.rows) for t, _ in times):
             break
-        fused = sum(t.packed[i] for t in times)
-        op_by_op = sum(min(t.packed[i], t.torch[i]) for t in times) + PER_OP_LAYER_S * len(layers)
+        fused = sum(t.packed[i] for t, _ in times)
+        op_by_op = sum(t.torch[i] if rows >= torch_from else t.packed[i] for t, torch_from in times)
+        op_by_op += PER_OP_LAYER_S * len(layers)
         if fused > op_by_op * MARGIN:
             return best * 2 if best else 0
         best = rows
@@ -113,7 +121,9 @@ class GemmPlanner:
         if mode:
             return PreparedLinear(packed, NEVER if mode == "packed" else 1, None)
         times = self.times(weight, bias, packed)
-        return PreparedLinear(packed, times.torch_from_rows(), times)
+        invariant = self.lib.isa == "amx" and weight.dtype == torch.bfloat16
+        return PreparedLinear(packed, times.torch_from_rows(INVARIANT_MARGIN if invariant
+                                                            else MARGIN), times)
 
     def times(self, weight, bias, packed: PackedLinear) -> GemmTimes:
         shape = f"{weight.shape[0]}x{weight.shape[1]}" + (" silu_mul" if packed.gated else "")
