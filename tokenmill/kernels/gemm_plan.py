@@ -121,7 +121,7 @@ class GemmPlanner:
         if mode:
             return PreparedLinear(packed, NEVER if mode == "packed" else 1, None)
         times = self.times(weight, bias, packed)
-        invariant = self.lib.isa == "amx" and weight.dtype == torch.bfloat16
+        invariant = self.lib.bf16_rows_invariant and weight.dtype == torch.bfloat16
         return PreparedLinear(packed, times.torch_from_rows(INVARIANT_MARGIN if invariant
                                                             else MARGIN), times)
 

@@ -118,6 +118,9 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         self.source_hash = self._lib.tm_source_hash().decode()
         self.panel_rows = self._lib.tm_panel_rows()
         self.quant_fast = bool(self._lib.tm_quant_fast())
+        # a bf16 GEMM row's bits do not depend on the call's row count (whole tile steps of k):
+        # the AMX build runs every row count on tiles (gemm_amx.h)
+        self.bf16_rows_invariant = self.isa == "amx"
         self._threads = 0
 
     def __repr__(self) -> str:

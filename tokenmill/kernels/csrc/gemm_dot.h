@@ -87,7 +87,8 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
     scratch.resize(block * kPanel);
     auto* acc = reinterpret_cast<float(*)[kPanel]>(scratch.data());
 #ifdef TM_ISA_AMX
-    AmxTiles tiles(amx, 64, amx_tile_rows(M));
+    const int tile_m = amx_tile_rows(M);  // the tiles' rows: M under 16
+    AmxTiles tiles(amx, 64, tile_m);
     thread_local std::vector<bf16> pad;
     pad.resize(amx ? 32 * 2 * tile_pairs : 0);
 #endif
@@ -104,15 +105,14 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
       };
 #ifdef TM_ISA_AMX
       if (amx && tile_pairs == total) {  // the whole k on tiles: results straight to out
-        amx_panel(rows, x + m0 * K, K, panel, tile_pairs, pad.data(), store_rows,
-                  amx_tile_rows(M));
+        amx_panel(rows, x + m0 * K, K, panel, tile_pairs, pad.data(), store_rows, tile_m);
         continue;
       }
       if (amx) {  // a k tail follows on VDPBF16PS, accumulating into acc
         amx_panel(rows, x + m0 * K, K, panel, tile_pairs, pad.data(),
                   [&](const float (*res)[kPanel], int64_t r0, int64_t n) {
                     std::memcpy(acc[r0], res[0], n * sizeof(float[kPanel]));
-                  }, amx_tile_rows(M));
+                  }, tile_m);
       }
 #endif
       // the next chunk (of this panel, or the next one when this thread reads it next)
