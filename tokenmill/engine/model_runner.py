@@ -178,7 +178,8 @@ class ModelRunner:
         return PooledContext(self.kv_caches, chunks, torch.cat(slots))
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
-        with self.ops.prompt_rows(getattr(ctx, "prompt_rows", None), len(input_ids)):
+        keep = ctx.rows_to_keep(len(input_ids)) if hasattr(ctx, "rows_to_keep") else None
+        with self.ops.prompt_rows(getattr(ctx, "prompt_rows", None), len(input_ids), keep):
             return self.model(input_ids, positions, ctx)
 
     def run(self, scheduled, rows, prepared=None) -> torch.Tensor | None:
@@ -188,10 +189,12 @@ class ModelRunner:
         if self.tp_driver is not None:
             self.tp_driver.step(scheduled, list(rows))
         input_ids, positions, ctx, _ = prepared or self.prepare(scheduled)
+        if hasattr(ctx, "output_rows"):  # a model may run its last layer on these rows alone
+            ctx.output_rows = list(rows)
         hidden = self.forward(input_ids, positions, ctx)
         if not len(rows):
             return None
-        if len(rows) < hidden.shape[0] or rows[-1] != len(rows) - 1:  # (rows ascend)
+        if hidden.shape[0] != len(rows):  # all rows came back (rows ascend)
             hidden = hidden[self._tensor(list(rows))]
         return self.logits(hidden)
 

@@ -86,7 +86,7 @@ _SIGNATURES = {
                                           _P]),
     "tm_kv_store": (None, [c_int, _P, _I, _I, _I, _P, _P, _P, _I, POINTER(KVPages)]),
     "tm_decode_stack": (None, [POINTER(Decoder), _P, _I, _P, POINTER(KVPool), _I, _P, _I, _P,
-                                _I]),
+                                _I, _P, _I]),
 }
 
 
@@ -249,14 +249,17 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
 
     def decode_stack(self, decoder: Decoder, x: torch.Tensor, positions, pools,
                      chunk_starts: list[int] | None = None,
-                     prompt_rows: list[tuple[int, int]] | None = None) -> torch.Tensor:
+                     prompt_rows: list[tuple[int, int]] | None = None,
+                     out_rows: list[int] | None = None) -> torch.Tensor:
         """All layers of a step (see tm.h); x (batch, hidden) holds the embeddings and is
         returned holding the final norm's output. pools: per KV pool, (k_cache, v_cache,
         slots, block_tables, seq_lens, stage_rows, stages) with caches (layers, blocks,
         block_size, ...); the last two None but for an int4 cache. chunk_starts: where each
         prefill chunk starts and the last one ends (rows before the first: decode rows); the
         tables and lens hold the decode rows' and then one row per chunk. prompt_rows: as
-        linear takes them, for every layer's projections."""
+        linear takes them, for every layer's projections. out_rows (ascending, the decode
+        rows first; with chunks only): the rows whose output is returned, the only ones the
+        last layer runs past its K/V."""
         x = x.contiguous().clone()
         pos = positions.to(torch.int64).contiguous()
         starts = torch.tensor(chunk_starts or [], dtype=torch.int64)
@@ -269,12 +272,21 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
             structs[i] = KVPool(k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
                                 slots.data_ptr(), tables.data_ptr(), tables.shape[1],
                                 lens.data_ptr(), _ptr(stage_rows), _ptr(stages))
+        outs = None
+        if out_rows is not None:
+            decodes = chunk_starts[0] if chunk_starts else x.shape[0]
+            _check(chunk_starts and list(out_rows[:decodes]) == list(range(decodes))
+                   and all(a < b for a, b in zip(out_rows, out_rows[1:]))
+                   and (not out_rows or out_rows[-1] < x.shape[0]),
+                   "out_rows: ascending rows of a step with chunks, every decode row first")
+            outs = torch.tensor(list(out_rows), dtype=torch.int64, device="cpu")
         self._sync_threads()
         self._lib.tm_decode_stack(ctypes.byref(decoder), x.data_ptr(), x.shape[0], pos.data_ptr(),
                                   structs, pools[0][0].shape[2], starts.data_ptr(),
                                   max(0, len(starts) - 1), _ptr(ranges),
-                                  0 if ranges is None else ranges.numel() // 2)
-        return x
+                                  0 if ranges is None else ranges.numel() // 2, _ptr(outs),
+                                  0 if outs is None else outs.numel())
+        return x if outs is None else x[:outs.numel()]
 
 
 def _row_ranges(ranges: list[tuple[int, int]] | None, rows: int) -> torch.Tensor | None:

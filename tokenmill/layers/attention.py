@@ -53,7 +53,19 @@ class AttentionContext:
     # The second block pool's view (same tokens, its own cache, slots and tables) for models
     # whose sliding-window layers keep their K/V apart from the full-attention layers'.
     window_ctx: AttentionContext | None = None
+    # the rows whose output the step uses (ascending; None: all of them): set by the runner
+    output_rows: list[int] | None = None
     _masks: dict = field(default_factory=dict)
+
+    def rows_to_keep(self, tokens: int) -> list[int] | None:
+        """The rows a model's last layer runs on past its attention (K/V stored for every
+        row), compacted to the front, as llama.cpp's output ids: the output rows of a step
+        with prefill chunks that uses fewer than its `tokens` rows (every decode row among
+        them). None: every row runs."""
+        rows, d = self.output_rows, self.num_decode_tokens
+        if rows is None or not self.prefills or len(rows) >= tokens:
+            return None
+        return rows if list(rows[:d]) == list(range(d)) else None
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         """(decodes, 1, 1, kv_len) bool: which gathered slots each decode query may attend."""

@@ -129,7 +129,8 @@ class FusedDecoder:
         return longest < self._prefill_len(*self._attention, x.dtype)
 
     def __call__(self, x, positions, ctx) -> torch.Tensor:
-        """x: (tokens, hidden) embeddings of a step -> the final norm's output."""
+        """x: (tokens, hidden) embeddings of a step -> the final norm's output (of the rows
+        ctx.rows_to_keep names, when it names some)."""
         cache = ctx.kv_cache
         fmt, st = cache.format, self.struct
         st.kv_format = klib.KV_FORMATS[fmt.name] if fmt.quantized else 0
@@ -146,7 +147,8 @@ class FusedDecoder:
             starts = [ctx.num_decode_tokens] + [chunk.end for chunk in ctx.prefills]
             pools = [(c.kv_cache.k[0], c.kv_cache.v[0], c.slot_mapping, *_step_tables(c),
                       None, None) for c in (ctx, ctx.window_ctx)[:self.num_pools]]
-            return self.lib.decode_stack(st, x, positions, pools, starts, ctx.prompt_rows)
+            return self.lib.decode_stack(st, x, positions, pools, starts, ctx.prompt_rows,
+                                         ctx.rows_to_keep(x.shape[0]))
         pools = [(c.kv_cache.k[0], c.kv_cache.v[0], c.slot_mapping, c.decode_block_tables,
                   c.decode_seq_lens, c.stage_mapping, c.decode_stages)
                  for c in (ctx, ctx.window_ctx)[:self.num_pools]]

@@ -74,17 +74,23 @@ class KernelOps(TorchOps):
         return self.lib.qdequantize(q, rows)
 
     @contextlib.contextmanager
-    def prompt_rows(self, ranges, rows):
+    def prompt_rows(self, ranges, rows, keep=None):
         previous, self._prompt = self._prompt, ((ranges, rows) if ranges else None)
+        if ranges and keep is not None:  # the last layer's calls over the kept rows
+            self._prompt += (kept_ranges(ranges, keep), len(keep))
         try:
             yield
         finally:
             self._prompt = previous
 
     def _prompt_of(self, x) -> list | None:
-        """The step's prompt row ranges for a call over all its rows (not one over some of
-        them: MoE experts' routed rows, the LM head's sampled ones)."""
-        return self._prompt[0] if self._prompt and x.shape[0] == self._prompt[1] else None
+        """The step's prompt row ranges for a call over all its rows, or over the rows its
+        last layer keeps (renumbered); not for one over other subsets (MoE experts' routed
+        rows, the LM head's sampled ones)."""
+        p = self._prompt
+        if p and x.shape[0] == p[1]:
+            return p[0]
+        return p[2] if p and len(p) > 2 and x.shape[0] == p[3] else None
 
     def linear(self, x, layer, out_fp32=False):
         """The packed-weight GEMM, or PyTorch's (oneDNN / MKL) from the row count where the
@@ -204,3 +210,16 @@ class KernelOps(TorchOps):
 
 
 # ---- choosing -----------------------------------------------------------------------------
+
+
+def kept_ranges(ranges, keep) -> list[tuple[int, int]]:
+    """The prompt rows among `keep` (ascending rows of a step) as ranges of their places in
+    keep: the prompt rows of the last layer's compacted rows, as tm_decode_stack numbers them."""
+    out = []
+    for i, r in enumerate(keep):
+        if any(a <= r < b for a, b in ranges):
+            if out and out[-1][1] == i:
+                out[-1] = (out[-1][0], i + 1)
+            else:
+                out.append((i, i + 1))
+    return out

@@ -101,9 +101,10 @@ class TorchOps:
         return self.dequantize(q, ids)
 
     @contextlib.contextmanager
-    def prompt_rows(self, ranges: list[tuple[int, int]], rows: int):
+    def prompt_rows(self, ranges: list[tuple[int, int]], rows: int, keep=None):
         """While it lasts, a linear call over a step's `rows` rows knows which of them are
-        prompt tokens (ranges [begin, end)): the kernels may multiply those by a quantized
+        prompt tokens (ranges [begin, end)), as does one over the rows `keep` its last layer
+        runs on (AttentionContext.rows_to_keep): the kernels may multiply those by a quantized
         weight dequantized to bf16 (tm.h, tm_linear_fwd). The reference computes all alike."""
         yield
 

@@ -28,7 +28,13 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.loaders.gguf_family import LAYER_NAMES, QK_NORM_NAMES, GGUFFamily, GGUFMeta
 from tokenmill.models.config import ModelConfig, as_list
-from tokenmill.models.llama import PACKED, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from tokenmill.models.llama import (
+    PACKED,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaMLP,
+    last_layer_rows,
+)
 from tokenmill.models.loading import load_packed
 
 
@@ -44,13 +50,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, x, residual, positions, rotary, ctx):
-        """x: the previous layer's output, not yet added to the residual stream."""
+    def forward(self, x, residual, positions, rotary, ctx, keep=None):
+        """x: the previous layer's output, not yet added to the residual stream; keep: the
+        rows to run past attention (AttentionContext.rows_to_keep), else all."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.post_attention_layernorm(self.self_attn(h, positions, rotary, ctx))
+        h = self.post_attention_layernorm(self.self_attn(h, positions, rotary, ctx, keep))
+        if keep is not None:
+            residual = residual[keep]
         h, residual = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
 
@@ -77,10 +86,11 @@ class Gemma3Model(nn.Module):
         fused = self._fused_decoder(x, ctx)
         if fused is not None:
             return fused(x, positions, ctx)
-        residual = None
-        for layer in self.layers:
+        residual, keep = None, last_layer_rows(ctx, x)
+        for i, layer in enumerate(self.layers):
             rotary = self.rotary_emb_local if layer.is_sliding else self.rotary_emb
-            x, residual = layer(x, residual, positions, rotary, ctx)
+            x, residual = layer(x, residual, positions, rotary, ctx,
+                                keep if i == len(self.layers) - 1 else None)
         return self.norm(x, residual)[0]
 
     def _fused_decoder(self, x: torch.Tensor, ctx: AttentionContext):

@@ -50,8 +50,9 @@ class LlamaAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-        ctx: AttentionContext,
+        ctx: AttentionContext, keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """keep: the rows whose output is wanted (AttentionContext.rows_to_keep), else all."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.qkv_proj.sizes, dim=-1)
         q = q.reshape(tokens, self.num_heads, self.head_dim)  # (tokens, heads, head_dim)
@@ -60,7 +61,15 @@ class LlamaAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         out = self.attn(q, k, v, ctx, rotary, positions)  # (tokens, heads, head_dim)
-        return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
+        out = out.reshape(tokens, self.num_heads * self.head_dim)
+        return self.o_proj(out if keep is None else out[keep])
+
+
+def last_layer_rows(ctx, x: torch.Tensor) -> torch.Tensor | None:
+    """The rows of x (a step's rows) the last layer runs past its attention
+    (AttentionContext.rows_to_keep) as an index on x's device, or None: all."""
+    rows = ctx.rows_to_keep(x.shape[0]) if isinstance(ctx, AttentionContext) else None
+    return None if rows is None else torch.tensor(rows, dtype=torch.int64, device=x.device)
 
 
 # gated MLP activations: config name -> op (act(gate) * up; the fused step's name less _mul)
@@ -93,13 +102,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, residual, positions, rotary, ctx):
-        """x: this layer's input before the residual add (the previous layer's output)."""
+    def forward(self, x, residual, positions, rotary, ctx, keep=None):
+        """x: this layer's input before the residual add (the previous layer's output); keep:
+        the rows to run past attention (AttentionContext.rows_to_keep), else all."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rotary, ctx)
+        if keep is None:
+            h = self.self_attn(h, positions, rotary, ctx)
+        else:
+            h, residual = self.self_attn(h, positions, rotary, ctx, keep), residual[keep]
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -124,8 +137,10 @@ class LlamaModel(nn.Module):
         fused = self._fused_decoder(x, ctx)
         if fused is not None:
             return fused(x, positions, ctx)
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary_emb, ctx)
+        keep = last_layer_rows(ctx, x)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, self.rotary_emb, ctx,
+                                keep if i == len(self.layers) - 1 else None)
         return self.norm(x, residual)[0]
 
     def _fused_decoder(self, x: torch.Tensor, ctx: AttentionContext):

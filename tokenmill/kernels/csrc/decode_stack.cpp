@@ -75,13 +75,53 @@ void layer_attention(const tm_decoder& m, const T* q, const T* kc, const T* vc, 
   }
 }
 
+// The last layer's attention for the output rows alone, out_rows[i] into attn row i: the
+// decode rows (out_rows begins with them) as one batch, each chunk row as a one-row chunk at
+// its position (a query row's numbers do not depend on the rows beside it in the prefill
+// kernel: a prompt gives the same bits however it is chunked).
+template <typename T>
+void output_attention(const tm_decoder& m, const T* q, const T* kc, const T* vc, T* attn,
+                      int64_t decodes, const int64_t* starts, const tm_kv_pool& pool,
+                      int64_t BS, int64_t window, const int64_t* out_rows, int64_t outs) {
+  const int64_t Hq = m.heads, D = m.head_dim;
+  layer_attention(m, q, kc, vc, attn, decodes, starts, 0, pool, BS, window);
+  for (int64_t i = decodes, c = 0; i < outs; ++i) {
+    const int64_t r = out_rows[i];
+    while (starts[c + 1] <= r) ++c;
+    const int64_t row = decodes + c;  // its chunk's tables / lens row
+    tm_prefill_attention(m.dtype, q + r * Hq * D, 1, Hq, D, kc, vc, BS, m.kv_heads,
+                         pool.tables + row * pool.max_blocks, pool.lens[row] - (starts[c + 1] - r),
+                         window, m.scale, attn + i * Hq * D);
+  }
+}
+
+// Rows out_rows[i] of x (rows of `width`) moved to row i (out_rows ascending); the prompt row
+// ranges of the rows kept, renumbered, into kept (begin, end pairs); returns their count.
+template <typename T>
+int64_t compact_rows(T* x, int64_t width, const int64_t* out_rows, int64_t outs,
+                     const int64_t* prompt, int64_t ranges, std::vector<int64_t>& kept) {
+  kept.clear();
+  for (int64_t i = 0, j = 0; i < outs; ++i) {
+    const int64_t r = out_rows[i];
+    if (r != i) std::memmove(x + i * width, x + r * width, width * sizeof(T));
+    while (j < ranges && prompt[2 * j + 1] <= r) ++j;
+    if (j == ranges || prompt[2 * j] > r) continue;
+    if (!kept.empty() && kept.back() == i) kept.back() = i + 1;  // extends the last range
+    else kept.insert(kept.end(), {i, i + 1});
+  }
+  return static_cast<int64_t>(kept.size() / 2);
+}
+
 template <typename T>
 void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions,
                   const tm_kv_pool* pools, int64_t BS, const int64_t* starts, int64_t chunks,
-                  const int64_t* prompt, int64_t ranges) {
+                  const int64_t* prompt, int64_t ranges, const int64_t* out_rows,
+                  int64_t outs) {
   const int64_t decodes = chunks ? starts[0] : B;
+  int64_t rows = B;  // the rows a layer computes: all, but out_rows from the last attention on
+  std::vector<int64_t> kept;  // then the prompt ranges of out_rows
   auto linear = [&](const T* in, const tm_linear& w, T* out) {
-    tm_linear_fwd(m.dtype, in, B, &w, m.dtype, out, prompt, ranges);
+    tm_linear_fwd(m.dtype, in, rows, &w, m.dtype, out, prompt, ranges);
   };
   thread_local Scratch s;
   const int dt = m.dtype;
@@ -126,33 +166,42 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
         store_slots(vc, v, pool.slots, B, kvs);
       }
     }
-    if (m.kv_format)  // decode rows only, one pool (FusedDecoder.accepts)
+    if (m.kv_format) {  // decode rows only, one pool (FusedDecoder.accepts)
       quant_kv_layer(m, w.pool_layer, q, k, v, attn, B, pool, BS, w.window, s.f32);
-    else
+    } else if (out_rows && l == m.num_layers - 1) {
+      // the last layer's outputs matter only for the rows whose logits the step takes: all
+      // rows' K/V are stored; attention on, those rows alone, compacted to the front
+      output_attention(m, q, kc, vc, attn, decodes, starts, pool, BS, w.window, out_rows, outs);
+      ranges = compact_rows(res, H, out_rows, outs, prompt, ranges, kept);
+      prompt = kept.data();
+      rows = outs;
+      if (!rows) return;  // no row's output is used (chunks before their prompts' ends)
+    } else {
       layer_attention(m, q, kc, vc, attn, decodes, starts, chunks, pool, BS, w.window);
+    }
     linear(attn, w.o, h);
     if (w.pre_ffn_norm) {  // Gemma: norm the attention output, add, norm again
-      tm_rms_norm(dt, h, w.post_norm, nullptr, x, B, H, m.eps);
-      tm_rms_norm(dt, res, w.pre_ffn_norm, x, x, B, H, m.eps);  // res += x, x = norm(res)
+      tm_rms_norm(dt, h, w.post_norm, nullptr, x, rows, H, m.eps);
+      tm_rms_norm(dt, res, w.pre_ffn_norm, x, x, rows, H, m.eps);  // res += x, x = norm(res)
     } else {
-      tm_rms_norm(dt, res, w.post_norm, h, x, B, H, m.eps);  // res += attention output
+      tm_rms_norm(dt, res, w.post_norm, h, x, rows, H, m.eps);  // res += attention output
     }
     if (w.gate_up.gated) {  // silu(gate) x up straight from the GEMM
       linear(x, w.gate_up, act);
     } else {
       linear(x, w.gate_up, gu);
       if (m.act == TM_ACT_GELU_TANH)
-        tm_gelu_tanh_mul(dt, gu, act, B, I);
+        tm_gelu_tanh_mul(dt, gu, act, rows, I);
       else
-        tm_silu_mul(dt, gu, act, B, I);
+        tm_silu_mul(dt, gu, act, rows, I);
     }
     linear(act, w.down, h);
     if (w.post_ffn_norm) {
-      tm_rms_norm(dt, h, w.post_ffn_norm, nullptr, x, B, H, m.eps);
-      std::memcpy(h, x, B * H * sizeof(T));
+      tm_rms_norm(dt, h, w.post_ffn_norm, nullptr, x, rows, H, m.eps);
+      std::memcpy(h, x, rows * H * sizeof(T));
     }
   }
-  tm_rms_norm(dt, res, m.final_norm, h, x, B, H, m.eps);
+  tm_rms_norm(dt, res, m.final_norm, h, x, rows, H, m.eps);
 }
 
 }  // namespace tm
@@ -162,10 +211,11 @@ using namespace tm;
 extern "C" void tm_decode_stack(const tm_decoder* m, void* x, int64_t batch,
                                 const int64_t* positions, const tm_kv_pool* pools,
                                 int64_t block_size, const int64_t* chunk_starts,
-                                int64_t chunks, const int64_t* prompt_rows, int64_t ranges) {
+                                int64_t chunks, const int64_t* prompt_rows, int64_t ranges,
+                                const int64_t* out_rows, int64_t outs) {
   if (m->dtype == TM_BF16)
     return decode_stack(*m, static_cast<bf16*>(x), batch, positions, pools, block_size,
-                        chunk_starts, chunks, prompt_rows, ranges);
+                        chunk_starts, chunks, prompt_rows, ranges, out_rows, outs);
   decode_stack(*m, static_cast<float*>(x), batch, positions, pools, block_size, chunk_starts,
-               chunks, prompt_rows, ranges);
+               chunks, prompt_rows, ranges, out_rows, outs);
 }

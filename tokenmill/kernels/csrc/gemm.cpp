@@ -274,6 +274,7 @@ void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out) {
 
 void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
                    void* out, const int64_t* prompt_rows, int64_t ranges) {
+  if (m <= 0) return;  // no rows (a step's last layer keeping none)
   if (w->quant) return quant_linear(dtype, x, m, w, out_dtype, out, prompt_rows, ranges);
   packed_linear(dtype, x, m, w, out_dtype, out);
 }

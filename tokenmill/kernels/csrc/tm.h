@@ -199,11 +199,15 @@ TM_API void tm_decode_attention_quant(const float* q, const tm_kv_pages* k, cons
  * every row is a decode row; else rows [0, chunk_starts[0]) are decode rows and chunk c (of an
  * unquantized cache) is one sequence's prefill rows [chunk_starts[c], chunk_starts[c + 1]),
  * its block table and length (after the chunk) row chunk_starts[0] + c of each pool's.
- * prompt_rows, ranges: the step's prompt tokens, for every layer's tm_linear_fwd. */
+ * prompt_rows, ranges: the step's prompt tokens, for every layer's tm_linear_fwd.
+ * out_rows (ascending, beginning with every decode row; NULL: all rows): the rows whose output
+ * the step uses; the last layer's attention and everything after it run on those alone, and
+ * x rows [0, outs) receive their output (as llama.cpp's output ids). */
 TM_API void tm_decode_stack(const tm_decoder* model, void* x, int64_t batch,
                             const int64_t* positions, const tm_kv_pool* pools,
                             int64_t block_size, const int64_t* chunk_starts, int64_t chunks,
-                            const int64_t* prompt_rows, int64_t ranges);
+                            const int64_t* prompt_rows, int64_t ranges, const int64_t* out_rows,
+                            int64_t outs);
 
 #ifdef __cplusplus
 }

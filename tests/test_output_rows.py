@@ -1,0 +1,82 @@
+"""A step's last layer runs past its attention only on the rows whose logits the step takes
+(AttentionContext.rows_to_keep, as llama.cpp's output ids): every row's K/V is still stored,
+the numbers of the rows kept do not change, and a chunk before its prompt's end keeps none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import random_prompts, save_tiny_model
+from tokenmill import LLM, SamplingParams
+from tokenmill.kernels import load_cpu_kernels
+from tokenmill.kernels.lib import KernelLib
+from tokenmill.layers import ops
+from tokenmill.layers.attention import AttentionContext
+from tokenmill.layers.kernel_ops import kept_ranges
+
+
+def test_kept_ranges_renumber_the_prompt_rows():
+    assert kept_ranges([(2, 10), (12, 20)], [0, 1, 5, 9, 10, 12, 19]) == [(2, 4), (5, 7)]
+    assert kept_ranges([(2, 10)], [0, 1]) == []
+    assert kept_ranges([(0, 4)], []) == []
+
+
+def test_rows_to_keep():
+    ctx = AttentionContext(None, torch.zeros(0), num_decode_tokens=2, prefills=[object()])
+    assert ctx.rows_to_keep(40) is None  # no output rows named: all
+    ctx.output_rows = [0, 1, 39]
+    assert ctx.rows_to_keep(40) == [0, 1, 39]
+    ctx.output_rows = [1, 39]  # a decode row left out: all rows run
+    assert ctx.rows_to_keep(40) is None
+    ctx.output_rows = list(range(40))
+    assert ctx.rows_to_keep(40) is None
+    ctx.prefills = []  # decode rows only: nothing to leave out
+    ctx.output_rows = [0, 1]
+    assert ctx.rows_to_keep(2) is None
+
+
+def generate(path, dtype, monkeypatch, keep: bool, calls: list):
+    prompts = random_prompts(4, 20, 90, seed=21)
+    with monkeypatch.context() as m:
+        if not keep:
+            m.setattr(AttentionContext, "rows_to_keep", lambda self, tokens: None)
+        real = KernelLib.decode_stack
+
+        def spy(self, decoder, x, positions, pools, chunk_starts=None, prompt_rows=None,
+                out_rows=None):
+            if chunk_starts:
+                calls.append((x.shape[0], out_rows))
+            return real(self, decoder, x, positions, pools, chunk_starts, prompt_rows, out_rows)
+
+        m.setattr(KernelLib, "decode_stack", spy)
+        llm = LLM(str(path), dtype=dtype, max_num_batched_tokens=32, enable_prefix_caching=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=12, logprobs=3),
+                            use_tqdm=False)
+    return [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()}
+                                      for d in o.outputs[0].logprobs]) for o in outs]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_last_layer_keeps_the_output_rows(tmp_path, monkeypatch, dtype):
+    """A tiny Llama, four prompts in 32-token steps beside decode rows: the same tokens as with
+    every row run through the last layer, and the same logprobs: bit for bit where a row's
+    GEMM results do not depend on the row count (bf16 on AMX), else to float rounding. In bf16
+    the fused step got the rows: fewer than the step's, none for chunks alone."""
+    save_tiny_model(tmp_path, "llama")
+    kept, full = [], []
+    got = generate(tmp_path, dtype, monkeypatch, True, kept)
+    want = generate(tmp_path, dtype, monkeypatch, False, full)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    lib = load_cpu_kernels() if ops.available() else None
+    if lib is not None and lib.bf16_rows_invariant and dtype == "bfloat16":
+        assert got == want
+    for (_, a), (_, b) in zip(got, want):
+        for x, y in zip(a, b):
+            assert x.keys() == y.keys()
+            assert all(abs(x[k] - y[k]) < (3e-2 if dtype == "bfloat16" else 1e-4) for k in x)
+    if dtype == "bfloat16" and lib is not None:  # the fused step ran the steps with chunks
+        assert kept and all(out is None for _, out in full)
+        assert any(out is not None and 0 < len(out) < rows for rows, out in kept)
+        assert any(out == [] for _, out in kept)  # a first chunk of a long prompt alone
