@@ -189,13 +189,15 @@ class ModelRunner:
         if self.tp_driver is not None:
             self.tp_driver.step(scheduled, list(rows))
         input_ids, positions, ctx, _ = prepared or self.prepare(scheduled)
-        if hasattr(ctx, "output_rows"):  # a model may run its last layer on these rows alone
-            ctx.output_rows = list(rows)
+        rows = list(rows)
+        if hasattr(ctx, "output_rows") and all(a < b for a, b in zip(rows, rows[1:])):
+            ctx.output_rows = rows  # a model may run its last layer on these rows alone
         hidden = self.forward(input_ids, positions, ctx)
         if not len(rows):
             return None
-        if hidden.shape[0] != len(rows):  # all rows came back (rows ascend)
-            hidden = hidden[self._tensor(list(rows))]
+        # the rows alone came back (the model kept ctx.output_rows), or all of the step's did
+        if getattr(ctx, "output_rows", None) != rows or hidden.shape[0] != len(rows):
+            hidden = hidden[self._tensor(rows)]
         return self.logits(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -119,11 +119,13 @@ class DraftModelProposer:
         """One forward pass of the draft over every mirror's uncomputed tokens; one token each
         (and, for sampled requests, the distribution it was drawn from)."""
         scheduled = [(m, m.num_uncomputed_tokens) for m in mirrors]
-        input_ids, positions, ctx, starts = self.runner.prepare(scheduled)
-        hidden = self.runner.forward(input_ids, positions, ctx)
-        last = torch.tensor([starts[i] + n - 1 for i, (_, n) in enumerate(scheduled)],
-                            device=self.device)
-        logits = self.runner.logits(hidden[last])
+        prepared = self.runner.prepare(scheduled)
+        last = [prepared[3][i] + n - 1 for i, (_, n) in enumerate(scheduled)]
+        rows = sorted(last)  # each mirror's last row: the last layer runs on those alone
+        logits = self.runner.run(scheduled, rows, prepared)
+        if rows != last:
+            where = {r: k for k, r in enumerate(rows)}
+            logits = logits[torch.tensor([where[r] for r in last], device=self.device)]
         params = [s.params for s in seqs]
         tokens = self.runner.ops.argmax(logits)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
