@@ -169,8 +169,8 @@ void decode_stack(const tm_decoder& m, T* x, int64_t B, const int64_t* positions
     if (m.kv_format) {  // decode rows only, one pool (FusedDecoder.accepts)
       quant_kv_layer(m, w.pool_layer, q, k, v, attn, B, pool, BS, w.window, s.f32);
     } else if (out_rows && l == m.num_layers - 1) {
-      // the last layer's outputs matter only for the rows whose logits the step takes: all
-      // rows' K/V are stored; attention on, those rows alone, compacted to the front
+      // the last layer's outputs matter only for the rows whose logits the step takes: every
+      // row's K/V is stored; from attention on, those rows alone, compacted to the front
       output_attention(m, q, kc, vc, attn, decodes, starts, pool, BS, w.window, out_rows, outs);
       ranges = compact_rows(res, H, out_rows, outs, prompt, ranges, kept);
       prompt = kept.data();
