@@ -77,7 +77,8 @@ def test_gated_linear_is_linear_then_silu_mul(kops, dtype, rows, k):
 def test_amx_bf16_row_does_not_depend_on_the_row_count(gated):
     """On AMX every bf16 row count runs on tiles (under 16 rows, tiles of that many rows), so a
     row's bits are the same in a call of 1 row or of 70 when k is whole tile steps: a bf16
-    model's decode, verify and batched rows agree (exact speculation on bf16 weights)."""
+    model's decode, verify and batched rows agree (exact speculation on bf16 weights). So are
+    a prompt's 300 rows, which split into one row block per thread (gemm_dot.h)."""
     torch.manual_seed(0)
     lib = load_cpu_kernels("amx")
     n = 4 * lib.panel_rows
@@ -89,6 +90,8 @@ def test_amx_bf16_row_does_not_depend_on_the_row_count(gated):
             assert torch.equal(lib.linear(x[:m], packed), full[:m]), (k, m)
             assert torch.equal(lib.linear(x[m:], packed), full[m:]), (k, m)
             assert torch.equal(lib.linear(x[:m], plain, out_fp32=True), logits[:m]), (k, m)
+        prompt = torch.cat([torch.randn(230, k).to(torch.bfloat16), x])
+        assert torch.equal(lib.linear(prompt, packed)[230:], full), k
 
 
 def test_gated_layer_runs_its_act_in_the_gemm(kops):

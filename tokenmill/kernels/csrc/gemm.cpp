@@ -105,13 +105,14 @@ inline int64_t row_block_bytes() {
 #endif
 }
 
-// Row blocks of a GEMM: as few as fit L2 (`xbytes` per input value), of equal size in whole
-// tiles of MR rows, so threads taking equal runs of (block, panel) work items share it evenly.
+// Row blocks of a GEMM: as few as fit L2 (`xbytes` per input value) and at least `least`, of
+// equal size in whole tiles of MR rows, so threads taking equal runs of (block, panel) work
+// items share it evenly.
 struct RowBlocks {
   int64_t size, count;
-  RowBlocks(int64_t M, int64_t K, int64_t MR, int64_t xbytes) {
+  RowBlocks(int64_t M, int64_t K, int64_t MR, int64_t xbytes, int64_t least = 1) {
     int64_t most = std::max<int64_t>(MR, row_block_bytes() / (xbytes * K));
-    count = (M + most - 1) / most;
+    count = std::max((M + most - 1) / most, least);
     size = ((M + count - 1) / count + MR - 1) / MR * MR;
     count = (M + size - 1) / size;
   }

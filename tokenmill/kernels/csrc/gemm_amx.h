@@ -49,11 +49,17 @@ inline const bf16* tile_rows(const bf16* src, int64_t ld, int64_t n, int64_t wid
 // 16 rows' results to emit(res, row0, n) from an L1-resident buffer; pad holds 32 rows of
 // 2 x pairs inputs for a last tile with fewer rows. A row tile's results are emitted after the
 // next row tile's tile products are issued, so the vector work overlaps them. tile_m: the
-// tiles' rows as configured (amx_tile_rows of the call's rows).
+// tiles' rows as configured (amx_tile_rows of the call's rows). next: the panel this thread
+// multiplies next (next_bytes of it), prefetched into L2 in equal shares over the row tiles
+// after the first, so its first row tile does not wait on L3 (a 512-token prompt 1.03x).
 template <typename Emit>
 void amx_panel(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel, int64_t pairs,
-               bf16* pad, const Emit& emit, int64_t tile_m = 16) {
+               bf16* pad, const Emit& emit, int64_t tile_m = 16, const char* next = nullptr,
+               int64_t next_bytes = 0) {
   const int64_t width = 2 * pairs, wstride = 2 * kPanel * sizeof(bf16);
+  const int64_t row_tiles = (rows + 31) / 32, steps = pairs / kAmxPairs;
+  const int64_t share = row_tiles > 1 ? (next_bytes / (row_tiles - 1) + 63) / 64 * 64 : 0;
+  const int64_t per_step = (share / 64 + steps - 1) / steps * 64;  // bytes a k step asks for
   alignas(64) float done[32][kPanel];  // the previous row tile's results
   int64_t done_row = 0, done_n = 0;
   auto flush = [&] {
@@ -62,6 +68,8 @@ void amx_panel(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel, int6
   };
   for (int64_t i = 0; i < rows; i += 32) {
     const int64_t n = std::min<int64_t>(32, rows - i);
+    const char* pf = next && i ? next + (i / 32 - 1) * share : nullptr;  // this tile's share
+    const char* pf_end = pf ? std::min(next + next_bytes, pf + share) : nullptr;
     const bool two = n > 16;
     int64_t lda0 = 0, lda1 = 0;
     const bf16* a0 = tile_rows(x + i * ldx, ldx, n, width, pad, lda0, tile_m);
@@ -77,6 +85,7 @@ void amx_panel(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel, int6
         const char* ahead = reinterpret_cast<const char*>(w) + kAmxAhead;
         for (int b = 0; b < kAmxPairs * 2 * kPanel * 2; b += 64) prefetch_l2(ahead + b);
       }
+      for (int64_t b = 0; pf && b < per_step && pf < pf_end; b += 64, pf += 64) prefetch_l2(pf);
       _tile_loadd(6, w, wstride);
       _tile_loadd(7, w + kLanes * 2, wstride);
       _tile_loadd(4, a0 + 2 * kp, lda0 * sizeof(bf16));
