@@ -36,11 +36,15 @@ def test_rows_to_keep():
     assert ctx.rows_to_keep(2) is None
 
 
-def generate(path, dtype, monkeypatch, keep: bool, calls: list):
+def generate(path, dtype, monkeypatch, keep: bool, calls: list, fused: bool = True, **kw):
+    from tokenmill.models import llama
+
     prompts = random_prompts(4, 20, 90, seed=21)
     with monkeypatch.context() as m:
         if not keep:
             m.setattr(AttentionContext, "rows_to_keep", lambda self, tokens: None)
+        if not fused:
+            m.setattr(llama.LlamaModel, "_fused_decoder", lambda *a: None)
         real = KernelLib.decode_stack
 
         def spy(self, decoder, x, positions, pools, chunk_starts=None, prompt_rows=None,
@@ -50,7 +54,8 @@ def generate(path, dtype, monkeypatch, keep: bool, calls: list):
             return real(self, decoder, x, positions, pools, chunk_starts, prompt_rows, out_rows)
 
         m.setattr(KernelLib, "decode_stack", spy)
-        llm = LLM(str(path), dtype=dtype, max_num_batched_tokens=32, enable_prefix_caching=False)
+        llm = LLM(str(path), dtype=dtype, max_num_batched_tokens=32, enable_prefix_caching=False,
+                  **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                             SamplingParams(temperature=0, max_tokens=12, logprobs=3),
                             use_tqdm=False)
@@ -80,3 +85,22 @@ def test_last_layer_keeps_the_output_rows(tmp_path, monkeypatch, dtype):
         assert kept and all(out is None for _, out in full)
         assert any(out is not None and 0 < len(out) < rows for rows, out in kept)
         assert any(out == [] for _, out in kept)  # a first chunk of a long prompt alone
+
+
+@pytest.mark.skipif(
+    not (ops.available() and ops.select(True, torch.device("cpu")).quantized_kernels),
+    reason="the kernels here have no fast quantized path")
+def test_kept_prompt_rows_keep_their_path(tmp_path, monkeypatch):
+    """int4 weights in bf16, prompts of 48+ tokens (their rows may take the dequantized path,
+    test_prompt_rows.py): the kept rows' prompt ranges, renumbered by the fused step in C++ and
+    by KernelOps in Python, give the layer-by-layer path's numbers and those of every row run."""
+    from tokenmill.engine import model_runner
+
+    monkeypatch.setattr(model_runner, "PROMPT_ROWS_FROM", 20)
+    save_tiny_model(tmp_path, "llama", hidden_size=128, intermediate_size=256)
+    kept = []
+    fused = generate(tmp_path, "bfloat16", monkeypatch, True, kept, quantization="int4")
+    assert any(out is not None and 0 < len(out) for _, out in kept)
+    assert generate(tmp_path, "bfloat16", monkeypatch, True, [], fused=False,
+                    quantization="int4") == fused
+    assert generate(tmp_path, "bfloat16", monkeypatch, False, [], quantization="int4") == fused
