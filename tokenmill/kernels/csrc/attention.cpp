@@ -37,7 +37,8 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
   auto kv_col = [&](int64_t g) { return g % nq / heads * D; };  // g's KV head in the slice
 #ifdef TM_ISA_AVX512_BF16
   constexpr bool kDot = std::is_same_v<T, bf16>;  // scores (and values) on VDPBF16PS
-  const bool lanes = kDot && D % 32 == 0 && nrows * heads >= kLaneQueries;
+  // lanes: the transposed keys sit on the stack, kMaxHeadDim channels at most (not MLA's 576)
+  const bool lanes = kDot && D % 32 == 0 && D <= kMaxHeadDim && nrows * heads >= kLaneQueries;
 #else
   constexpr bool kDot = false;
 #endif

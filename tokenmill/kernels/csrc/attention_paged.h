@@ -3,6 +3,8 @@
 // AVX512-BF16 the scores and value sums on bf16 pairs straight from the cache rows.
 #pragma once
 
+#include <vector>
+
 #include "attention_common.h"
 #include "attention_pairs.h"
 #include "tm.h"
@@ -128,9 +130,10 @@ inline void value_sums_dot(const Paged<bf16>& values, int64_t start, const float
       flush();
     }
   });
-  float o[kMaxHeadDim];
+  thread_local std::vector<float> o;  // a row in column order (MLA's latent: 576 columns)
+  o.resize(D);
   for (int64_t g = 0; g < total; ++g) {
-    unpermute(acc + g * Dp, D, o);
+    unpermute(acc + g * Dp, D, o.data());
     bf16* dst = out + g / nq * qstride + g % nq * D;
     for (int64_t i = 0; i < D; ++i) dst[i] = from_f<bf16>(o[i]);
   }
