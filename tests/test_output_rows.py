@@ -104,3 +104,61 @@ def test_kept_prompt_rows_keep_their_path(tmp_path, monkeypatch):
     assert generate(tmp_path, "bfloat16", monkeypatch, True, [], fused=False,
                     quantization="int4") == fused
     assert generate(tmp_path, "bfloat16", monkeypatch, False, [], quantization="int4") == fused
+
+
+def save_other_family(path, family: str) -> str:
+    """A tiny random GPT-2 or DeepSeek V3 (MLA, MoE past the first layer) saved to path; the
+    name of its last layer's output projection."""
+    import transformers
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=256, n_positions=256, n_embd=64, n_layer=2,
+                                      n_head=4, eos_token_id=None, bos_token_id=None,
+                                      initializer_range=0.2)
+        transformers.GPT2LMHeadModel(cfg).save_pretrained(path)
+        return "transformer.h.1.attn.c_proj"
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+        n_routed_experts=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, v_head_dim=16,
+        qk_nope_head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, max_position_embeddings=256, bos_token_id=None,
+        eos_token_id=None, pad_token_id=None, initializer_range=0.1)
+    transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(path)
+    return "model.layers.1.self_attn.o_proj"
+
+
+@pytest.mark.parametrize("family", ["gpt2", "deepseek_v3"])
+def test_other_families_keep_the_output_rows(tmp_path, monkeypatch, family):
+    """GPT-2's and DeepSeek's Python layers: the last layer's output projection runs on fewer
+    rows than a step with prefill chunks has, and the tokens and logprobs are those of every
+    row run (float32)."""
+    last = save_other_family(tmp_path, family)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(4, 20, 90, seed=21)]
+
+    def run(keep: bool):
+        seen = []  # (step rows, rows into the last layer's output projection)
+        with monkeypatch.context() as m:
+            if not keep:
+                m.setattr(AttentionContext, "rows_to_keep", lambda self, tokens: None)
+            llm = LLM(str(tmp_path), dtype="float32", max_num_batched_tokens=32,
+                      enable_prefix_caching=False)
+            model = llm.engine.runner.model
+            steps = []
+            model.register_forward_pre_hook(lambda mod, args: steps.append(len(args[0])))
+            model.get_submodule(last).register_forward_pre_hook(
+                lambda mod, args: seen.append((steps[-1], len(args[0]))))
+            outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                        logprobs=3), use_tqdm=False)
+        return seen, [(o.outputs[0].token_ids, [{k: v.logprob for k, v in d.items()}
+                                               for d in o.outputs[0].logprobs]) for o in outs]
+
+    seen, got = run(True)
+    full, want = run(False)
+    assert any(rows < step for step, rows in seen)
+    assert all(rows == step for step, rows in full)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    for (_, a), (_, b) in zip(got, want):
+        for x, y in zip(a, b):
+            assert x.keys() == y.keys() and all(abs(x[k] - y[k]) < 1e-4 for k in x)

@@ -80,6 +80,13 @@ class AttentionContext:
         return self._masks[window]
 
 
+def last_layer_rows(ctx, x: torch.Tensor) -> torch.Tensor | None:
+    """The rows of x (a step's rows) the last layer runs past its attention
+    (AttentionContext.rows_to_keep) as an index on x's device, or None: all."""
+    rows = ctx.rows_to_keep(x.shape[0]) if isinstance(ctx, AttentionContext) else None
+    return None if rows is None else torch.tensor(rows, dtype=torch.int64, device=x.device)
+
+
 def chunk_mask(
     num_computed: int, num_new: int, window: int | None, device: torch.device
 ) -> torch.Tensor:

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers import ops
-from tokenmill.layers.attention import AttentionContext
+from tokenmill.layers.attention import AttentionContext, last_layer_rows
 from tokenmill.layers.linear import Linear, embedding
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, yarn_mscale
@@ -92,7 +92,8 @@ class MLAttention(nn.Module):
         self.absorb = True  # decode in latent space (False: expand the history, to compare)
         self.ops = ops.current()
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, ctx: AttentionContext):
+    def forward(self, x, positions, rotary: RotaryEmbedding, ctx: AttentionContext, keep=None):
+        """keep: the rows whose output is wanted (AttentionContext.rows_to_keep), else all."""
         m, t, h = self.m, x.shape[0], self.heads
         if m.q_lora_rank is None:
             q = self.q_proj(x)
@@ -115,7 +116,8 @@ class MLAttention(nn.Module):
         for chunk in ctx.prefills:
             s, e = chunk.start, chunk.end
             out[s:e] = self._expanded(q_nope[s:e], q_rope[s:e], pages, chunk)
-        return self.o_proj(out.reshape(t, -1))
+        out = out.reshape(t, -1)
+        return self.o_proj(out if keep is None else out[keep])
 
     def _uk_uv(self) -> tuple[torch.Tensor, torch.Tensor]:
         w = self.kv_b_proj.weight.view(self.heads, -1, self.m.kv_lora_rank)
@@ -227,6 +229,8 @@ class DeepseekMoE(nn.Module):
             cfg, intermediate_size=moe.moe_intermediate_size * moe.n_shared_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not len(x):  # a last layer that keeps no rows (AttentionContext.rows_to_keep)
+            return x
         weights, index = self.gate(x)
         out = torch.zeros_like(x)
         for e in torch.unique(index).tolist():  # each expert once, on its tokens
@@ -261,8 +265,10 @@ class DeepseekModel(nn.Module):
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rotary_emb, ctx)
+        keep = last_layer_rows(ctx, x)  # the last layer's rows past attention (llama.py)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, self.rotary_emb, ctx,
+                                keep if i == len(self.layers) - 1 else None)
         return self.norm(x, residual)[0]
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ops
-from tokenmill.layers.attention import AttentionContext
+from tokenmill.layers.attention import AttentionContext, last_layer_rows
 from tokenmill.layers.fused_decode import DecoderLayerWeights, DecoderWeights, fused_step
 from tokenmill.layers.linear import embedding
 from tokenmill.layers.norm import RMSNorm
@@ -33,7 +33,6 @@ from tokenmill.models.llama import (
     LlamaAttention,
     LlamaForCausalLM,
     LlamaMLP,
-    last_layer_rows,
 )
 from tokenmill.models.loading import load_packed
 

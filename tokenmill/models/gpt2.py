@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.layers.attention import AttentionContext, PagedAttention
+from tokenmill.layers.attention import AttentionContext, PagedAttention, last_layer_rows
 from tokenmill.layers.linear import Linear, embedding
 from tokenmill.models.config import ModelConfig, as_list
 from tokenmill.models.loading import load_packed
@@ -30,12 +30,13 @@ class GPT2Attention(nn.Module):
         self.c_proj = Linear(self.inner, [hidden], bias=True)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, layer_idx)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, keep=None) -> torch.Tensor:
+        """keep: the rows whose output is wanted (AttentionContext.rows_to_keep), else all."""
         tokens = x.shape[0]
         q, k, v = self.c_attn(x).split(self.inner, dim=-1)
         shape = (tokens, self.num_heads, self.head_dim)  # (tokens, heads, head_dim)
-        out = self.attn(q.view(shape), k.view(shape), v.view(shape), ctx)
-        return self.c_proj(out.reshape(tokens, -1))
+        out = self.attn(q.view(shape), k.view(shape), v.view(shape), ctx).reshape(tokens, -1)
+        return self.c_proj(out if keep is None else out[keep])
 
 
 class GPT2MLP(nn.Module):
@@ -59,8 +60,8 @@ class GPT2Block(nn.Module):
         self.ln_2 = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.mlp = GPT2MLP(cfg)
 
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), ctx)
+    def forward(self, x: torch.Tensor, ctx: AttentionContext, keep=None) -> torch.Tensor:
+        x = (x if keep is None else x[keep]) + self.attn(self.ln_1(x), ctx, keep)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -74,8 +75,9 @@ class GPT2Model(nn.Module):
 
     def forward(self, input_ids, positions, ctx) -> torch.Tensor:
         x = self.wte(input_ids) + self.wpe(positions)  # (tokens, hidden)
-        for block in self.h:
-            x = block(x, ctx)
+        keep = last_layer_rows(ctx, x)  # the last block's rows past attention (llama.py)
+        for i, block in enumerate(self.h):
+            x = block(x, ctx, keep if i == len(self.h) - 1 else None)
         return self.ln_f(x)
 
 

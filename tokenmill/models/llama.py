@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ops
-from tokenmill.layers.attention import AttentionContext, PagedAttention
+from tokenmill.layers.attention import AttentionContext, PagedAttention, last_layer_rows
 from tokenmill.layers.fused_decode import DecoderLayerWeights, DecoderWeights, fused_step
 from tokenmill.layers.linear import Linear, embedding
 from tokenmill.layers.norm import RMSNorm
@@ -63,13 +63,6 @@ class LlamaAttention(nn.Module):
         out = self.attn(q, k, v, ctx, rotary, positions)  # (tokens, heads, head_dim)
         out = out.reshape(tokens, self.num_heads * self.head_dim)
         return self.o_proj(out if keep is None else out[keep])
-
-
-def last_layer_rows(ctx, x: torch.Tensor) -> torch.Tensor | None:
-    """The rows of x (a step's rows) the last layer runs past its attention
-    (AttentionContext.rows_to_keep) as an index on x's device, or None: all."""
-    rows = ctx.rows_to_keep(x.shape[0]) if isinstance(ctx, AttentionContext) else None
-    return None if rows is None else torch.tensor(rows, dtype=torch.int64, device=x.device)
 
 
 # gated MLP activations: config name -> op (act(gate) * up; the fused step's name less _mul)
