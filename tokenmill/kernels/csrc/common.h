@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -121,6 +122,59 @@ void parallel_dynamic(int64_t n, const F& f, int64_t serial = 1) {
   }
 #endif
   for (int64_t i = 0; i < n; ++i) f(i);
+}
+
+// Items [begin, end) split into one run per thread as parallel_for splits them; each thread
+// takes its own run's items from the front, and when it is done, the others' from their backs.
+// A core slowed by a neighbour (on a shared host the two vCPUs' tile units ran 400 and 1,100
+// GFLOP/s at once) hands its last items to the faster one, as ggml's chunks do; on an even
+// machine little moves. f(take) runs once per thread: take(i, hint) gives the thread's next
+// item i, and in hint the end of the run it is taking from the front (items in [i + 1, hint)
+// are likely its next; i + 1 for a taken item), or returns false when none is left. Which
+// thread runs an item must not change its results.
+template <typename F>
+void parallel_steal(int64_t begin, int64_t end, const F& f) {
+  const int64_t n = end - begin;
+  if (n <= 0) return;
+  const int64_t threads = std::min<int64_t>(g_threads, n);
+  const int64_t chunk = (n + threads - 1) / threads;
+  struct alignas(64) Run {  // (front, back) offsets from the run's first item, packed
+    std::atomic<uint64_t> fb;
+  };
+  std::vector<Run> runs(threads);
+  for (int64_t t = 0; t < threads; ++t)
+    runs[t].fb.store(static_cast<uint64_t>(std::min(chunk, n - t * chunk)) << 32);
+  auto go = [&](int64_t me) {
+    auto take = [&](int64_t& item, int64_t& hint) {
+      uint64_t v = runs[me].fb.load();
+      while (static_cast<uint32_t>(v) < (v >> 32)) {  // the front of its own run
+        if (runs[me].fb.compare_exchange_weak(v, v + 1)) {
+          item = begin + me * chunk + static_cast<uint32_t>(v), hint = begin + me * chunk + (v >> 32);
+          return true;
+        }
+      }
+      for (int64_t k = 1; k < threads; ++k) {  // the backs of the others'
+        const int64_t u = (me + k) % threads;
+        uint64_t w = runs[u].fb.load();
+        while (static_cast<uint32_t>(w) < (w >> 32)) {
+          if (runs[u].fb.compare_exchange_weak(w, w - (uint64_t{1} << 32))) {
+            item = begin + u * chunk + (w >> 32) - 1, hint = item + 1;
+            return true;
+          }
+        }
+      }
+      return false;
+    };
+    f(take);
+  };
+#ifdef _OPENMP
+  if (threads > 1 && !omp_in_parallel()) {
+#pragma omp parallel num_threads(static_cast<int>(threads))
+    go(omp_get_thread_num());
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < threads; ++t) go(t);  // one thread: every run in turn
 }
 
 }  // namespace tm

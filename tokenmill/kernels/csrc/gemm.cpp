@@ -148,7 +148,7 @@ template <int MR, typename W, typename O> struct Fma {
 
 // Blocks of input rows sized to stay in a core's L2 while every panel streams past them; work
 // items are (row block, panel) pairs, so a decode batch splits by panels and a prefill chunk by
-// row blocks. The first row tile of a panel streams it from memory with a prefetch 4 KiB ahead;
+// row blocks, handed out by parallel_steal (a thread done early takes another's last items). The first row tile of a panel streams it from memory with a prefetch 4 KiB ahead;
 // later tiles find it cached and prefetch the next panel meanwhile, in equal shares. gated: out
 // has N / 2 columns (store_tile).
 template <int MR, template <int, typename, typename> class M, typename X, typename W, typename O>
@@ -159,8 +159,8 @@ void gemm_packed(const X* x, const W* w, int64_t panel_elems, const float* bias,
   int64_t panels = (N + kPanel - 1) / kPanel, bytes = panel_elems * sizeof(W);
   const RowBlocks rb(Mrows, K, MR, sizeof(X));
   const int64_t block = rb.size, blocks = rb.count;
-  parallel_for(0, blocks * panels, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
+  parallel_steal(0, blocks * panels, [&](const auto& take) {
+    for (int64_t t, t1; take(t, t1);) {  // t1: the end of the run this thread is taking
       int64_t m0 = t / panels * block, m1 = std::min(Mrows, m0 + block), p = t % panels;
       int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
       const W* panel = w + p * panel_elems;

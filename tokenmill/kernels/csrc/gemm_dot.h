@@ -64,8 +64,9 @@ void micro_dot_rows(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel,
   if constexpr (R > 1) micro_dot_rows<R - 1>(rows, x, ldx, panel, kp0, kp1, pairs, first, acc, pf);
 }
 
-// Work items are (row block, panel) pairs as in gemm_packed; within one, chunk by chunk of k,
-// every row tile accumulates into a float32 scratch, stored to out after the last chunk.
+// Work items are (row block, panel) pairs as in gemm_packed (parallel_steal); within one, chunk
+// by chunk of k, every row tile accumulates into a float32 scratch, stored to out after the
+// last chunk.
 template <typename O>
 void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bias, O* out,
               int64_t M, int64_t N, int64_t K, bool row_invariant, bool gated) {
@@ -87,7 +88,7 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
   const bool own_rows = amx && M >= 128 * g_threads && N * K * 2 <= 2 * row_block_bytes();
   const RowBlocks rb(M, K, amx ? 32 : MR, sizeof(bf16), own_rows ? g_threads : 1);
   const int64_t block = rb.size, blocks = rb.count;
-  parallel_for(0, blocks * panels, 1, [&](int64_t t0, int64_t t1) {
+  parallel_steal(0, blocks * panels, [&](const auto& take) {
     thread_local std::vector<float> scratch;
     scratch.resize(block * kPanel);
     auto* acc = reinterpret_cast<float(*)[kPanel]>(scratch.data());
@@ -97,7 +98,7 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
     thread_local std::vector<bf16> pad;
     pad.resize(amx ? 32 * 2 * tile_pairs : 0);
 #endif
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t, t1; take(t, t1);) {  // t1: the end of the run this thread is taking
       int64_t m0 = t / panels * block, rows = std::min(M, m0 + block) - m0, p = t % panels;
       const bf16* panel = w + p * panel_elems;
       const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);

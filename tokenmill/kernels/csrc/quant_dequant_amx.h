@@ -71,19 +71,19 @@ void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
   }
 }
 
-// out (m, N) = x (m, K) bf16 . w^T (+ bias), panel by panel: each dequantized once, then every
-// block of input rows through amx_panel
+// out (m, N) = x (m, K) bf16 . w^T (+ bias), panel by panel (parallel_steal): each dequantized
+// once, then every block of input rows through amx_panel
 template <int BITS, typename O>
 void qgemm_dequant(const bf16* x, int64_t m, const tm_linear* w, O* out) {
   const int64_t N = w->n, K = w->k, groups = (N + kGroup - 1) / kGroup, panels = (groups + 1) / 2;
   const int64_t gstride = K / kBlock * group_bytes(BITS), pairs = K / 2;
   const int64_t block = std::max<int64_t>(32, (512 << 10) / (K * 2) / 32 * 32);  // rows
   const auto* wq = static_cast<const uint8_t*>(w->packed);
-  parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+  parallel_steal(0, panels, [&](const auto& take) {
     thread_local std::vector<bf16> panel, pad;
     panel.resize(pairs * 2 * kPanel), pad.resize(32 * 2 * pairs);
     AmxTiles tiles(true);
-    for (int64_t p = p0; p < p1; ++p) {
+    for (int64_t p, hint; take(p, hint);) {
       dequant_group<BITS>(wq + 2 * p * gstride, K, panel.data(), 0);
       if (2 * p + 1 < groups) {
         dequant_group<BITS>(wq + (2 * p + 1) * gstride, K, panel.data(), kGroup);
