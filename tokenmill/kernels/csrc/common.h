@@ -149,7 +149,8 @@ void parallel_steal(int64_t begin, int64_t end, const F& f) {
       uint64_t v = runs[me].fb.load();
       while (static_cast<uint32_t>(v) < (v >> 32)) {  // the front of its own run
         if (runs[me].fb.compare_exchange_weak(v, v + 1)) {
-          item = begin + me * chunk + static_cast<uint32_t>(v), hint = begin + me * chunk + (v >> 32);
+          const int64_t base = begin + me * chunk;
+          item = base + static_cast<uint32_t>(v), hint = base + static_cast<int64_t>(v >> 32);
           return true;
         }
       }

@@ -148,9 +148,10 @@ template <int MR, typename W, typename O> struct Fma {
 
 // Blocks of input rows sized to stay in a core's L2 while every panel streams past them; work
 // items are (row block, panel) pairs, so a decode batch splits by panels and a prefill chunk by
-// row blocks, handed out by parallel_steal (a thread done early takes another's last items). The first row tile of a panel streams it from memory with a prefetch 4 KiB ahead;
-// later tiles find it cached and prefetch the next panel meanwhile, in equal shares. gated: out
-// has N / 2 columns (store_tile).
+// row blocks, handed out by parallel_steal (a thread done early takes another's last items).
+// The first row tile of a panel streams it from memory with a prefetch 4 KiB ahead; later
+// tiles find it cached and prefetch the next panel meanwhile, in equal shares. gated: out has
+// N / 2 columns (store_tile).
 template <int MR, template <int, typename, typename> class M, typename X, typename W, typename O>
 void gemm_packed(const X* x, const W* w, int64_t panel_elems, const float* bias, O* out,
                  int64_t Mrows, int64_t N, int64_t K, bool row_invariant, bool gated) {
