@@ -175,7 +175,7 @@ void parallel_steal(int64_t begin, int64_t end, const F& f) {
     return;
   }
 #endif
-  for (int64_t t = 0; t < threads; ++t) go(t);  // one thread: every run in turn
+  go(0);  // one thread: its own run, then the others' from their backs
 }
 
 }  // namespace tm
