@@ -108,3 +108,12 @@ def test_compare_table(capsys, gpt2_dir, gpt2):
 def test_too_many_arguments(capsys, args):
     assert main(["tokenize", *args]) == 2
     assert "tokenmill tokenize: error: expected [MODEL]" in capsys.readouterr().err
+
+
+def test_options_between_the_model_and_the_text(capsys, gpt2_dir):
+    """argparse stops a positional list at the first option: the text after it still counts,
+    in order (as in `tokenmill generate MODEL --raw PROMPT`)."""
+    assert tokenize(capsys, gpt2_dir, "--json", TEXT) == tokenize(capsys, "--json", gpt2_dir, TEXT)
+    with pytest.raises(SystemExit):  # argparse's usage error, as before
+        main(["tokenize", gpt2_dir, "--json", TEXT, "--no-such-option"])
+    assert "unrecognized arguments: " in capsys.readouterr().err
