@@ -151,3 +151,15 @@ def test_min_tokens_bans_eos_unless_ignored():
 
     apply_banned(logits, [[0, 7], [3, 99]])  # ids past the vocabulary are ignored
     assert torch.isinf(logits).nonzero().tolist() == [[0, 0], [0, 7], [1, 3]]
+
+
+def test_top_k_keeps_every_tie_of_the_kth_whatever_the_batch():
+    """The reference's top-k keeps the k-th logit's ties (as HF and vLLM do) also when they
+    fall past its candidates (it took the batch's largest k): a row's tokens do not depend on
+    the rows beside it."""
+    row = torch.full((300,), -4.0)
+    row[10], row[20:25] = 8.0, 2.0
+    for k_other in (3, 1, 200):
+        logits = torch.stack([row, torch.randn(300)])
+        kept = filter_logits(logits, torch.tensor([3, k_other]), torch.ones(2), torch.zeros(2))
+        assert (kept[0] > -float("inf")).nonzero().flatten().tolist() == [10, 20, 21, 22, 23, 24]

@@ -151,6 +151,9 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     sorted_logits, order = logits.topk(width, sorted=True)
     if use_k:
         kth = sorted_logits.gather(1, (k.clamp(max=width) - 1)[:, None])  # k-th largest logit
+        tied = int((logits >= kth).sum(-1).max())  # top-k keeps every tie of the k-th (HF,
+        if tied > width:  # vLLM), also past the candidates: whatever the other rows' k
+            sorted_logits, order = logits.topk(tied, sorted=True)
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, -float("inf"))
     if use_p:  # probabilities among the tokens top-k kept (all of them without top-k)
         lse = torch.where(top_k > 0, sorted_logits.logsumexp(-1), full_lse)
