@@ -81,6 +81,13 @@ int main(int argc, char** argv) {
     std::vector<int64_t> out(I(0));
     tm_argmax_rows(reinterpret_cast<const float*>(x.data()), I(0), I(1), out.data());
     save(dir + "out.bin", out.data(), out.size() * 8);
+  } else if (kernel == "sample") {  // rows vocab: logits, temperatures, top_k(i64), top_p, min_p, u
+    Bytes x = in(0), t = in(1), k = in(2), tp = in(3), mp = in(4), u = in(5);
+    std::vector<int64_t> out(I(0));
+    auto f = [](const Bytes& b) { return reinterpret_cast<const float*>(b.data()); };
+    tm_sample_rows(f(x), I(0), I(1), f(t), reinterpret_cast<const int64_t*>(k.data()), f(tp),
+                   f(mp), f(u), out.data());
+    save(dir + "out.bin", out.data(), out.size() * 8);
   } else if (kernel == "attention") {
     // dtype batch heads kv_heads head_dim block_size max_blocks window scale:
     // q, k_cache, v_cache, tables(i64), lens(i64)

@@ -103,6 +103,25 @@ def test_argmax(harness, tmp_path):
     assert torch.equal(got, x.argmax(-1))
 
 
+def test_sample(harness, tmp_path):
+    from tokenmill.layers.sampler import Sampler, SamplingMetadata, inverse_cdf
+
+    torch.manual_seed(6)
+    rows, vocab = 24, 1003
+    logits = torch.randn(rows, vocab) * 3
+    logits[:, 1::5] = -float("inf")
+    temps = [0.7, 1.0, 1.3] * 8
+    top_k, top_p, min_p = [0, 0, 40] * 8, [1.0, 0.9, 0.8] * 8, [0.0] * 12 + [0.05] * 12
+    u = torch.rand(rows)
+    got = call(harness, tmp_path, "sample", [rows, vocab],
+               [logits, torch.tensor(temps), torch.tensor(top_k), torch.tensor(top_p),
+                torch.tensor(min_p), u], torch.int64, (rows,))
+    meta = SamplingMetadata(temps, top_k, top_p, min_p, [None] * rows, [[]] * rows,
+                            [None] * rows, [None] * rows)
+    want = inverse_cdf(Sampler(torch.device("cpu"), backend=ops.TorchOps()).probs(logits, meta), u)
+    assert (got != want).sum().item() <= 1  # a uniform at a boundary may round either way
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention(harness, tmp_path, dtype):
     from tokenmill.layers.attention import AttentionContext, PagedAttention

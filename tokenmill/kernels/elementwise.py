@@ -1,7 +1,7 @@
 """The element-wise kernels (csrc/elementwise.cpp) behind torch tensors: RMSNorm (with the
-residual add), RoPE, RoPE fused with a prefill layer's cache write, the gated activations and
-the row argmax. A mixin of KernelLib (its `_lib` and `_sync_threads`), with the same checks
-before any pointer reaches C."""
+residual add), RoPE, RoPE fused with a prefill layer's cache write, the gated activations, the
+row argmax, and the row sampler (csrc/sample.cpp). A mixin of KernelLib (its `_lib` and
+`_sync_threads`), with the same checks before any pointer reaches C."""
 
 from __future__ import annotations
 
@@ -84,4 +84,24 @@ class ElementwiseCalls:
         out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
         self._sync_threads()
         self._lib.tm_argmax_rows(x.data_ptr(), *x.shape, out.data_ptr())
+        return out
+
+    def sample_rows(self, logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor,
+                    top_p: torch.Tensor, min_p: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """One token per row of (rows, vocab) float32 logits (csrc/sample.cpp), the row's
+        temperature, top-k, top-p and min-p (float32, int64, float32, float32) and uniform u
+        (float32) as layers/sampler.py draws them; -1 where the caller draws (temperature 0,
+        a NaN, every logit -inf)."""
+        rows = logits.shape[0] if logits.dim() == 2 else -1
+        params = (temperatures, top_k, top_p, min_p, u)
+        _check(rows >= 0 and logits.dtype == torch.float32 and logits.shape[1] > 0
+               and all(p.shape == (rows,) and p.is_contiguous() for p in params)
+               and [p.dtype for p in params] == [torch.float32, torch.int64, torch.float32,
+                                                  torch.float32, torch.float32],
+               "sample_rows: (rows, vocab) float32 logits and one parameter of each per row")
+        logits = logits.contiguous()
+        out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+        self._sync_threads()
+        self._lib.tm_sample_rows(logits.data_ptr(), rows, logits.shape[1],
+                                 *(p.data_ptr() for p in params), out.data_ptr())
         return out

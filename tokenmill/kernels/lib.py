@@ -18,7 +18,7 @@ from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check,
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 14
+ABI_VERSION = 15
 _P, _I = c_void_p, c_int64
 
 
@@ -75,6 +75,7 @@ _SIGNATURES = {
     "tm_silu_mul": (None, [c_int, _P, _P, _I, _I]),
     "tm_gelu_tanh_mul": (None, [c_int, _P, _P, _I, _I]),
     "tm_argmax_rows": (None, [_P, _I, _I, _P]),
+    "tm_sample_rows": (None, [_P, _I, _I, _P, _P, _P, _P, _P, _P]),
     "tm_decode_attention": (None, [c_int, _P, _P, _P, _I, _I, _P, _I, _P, _I, _I, _I, _I,
                                    c_float, _P]),
     "tm_prefill_attention": (None, [c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, c_float,

@@ -170,6 +170,14 @@ class TorchOps:
         """x: (rows, n) -> (rows,) int64: first maximum, NaN counting as the largest."""
         return x.argmax(-1)
 
+    def sample(self, logits: torch.Tensor, temperatures: list[float], top_k: list[int],
+               top_p: list[float], min_p: list[float], u: torch.Tensor) -> torch.Tensor | None:
+        """One token per row of float32 logits drawn as layers/sampler.py's reference draws
+        it (Sampler.probs, then inverse_cdf with the uniforms u); -1 in a row this leaves to
+        the reference (temperature 0, a NaN, every logit -inf). None when this implementation
+        has no sampler of its own (the reference is the sampler's own tensor code)."""
+        return None
+
     def fused_decoder(self, weights):
         """A callable running all decoder layers of a decode step at once, from a model's
         named weights (layers/fused_decode.py); None when this implementation has none."""

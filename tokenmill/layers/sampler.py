@@ -174,15 +174,29 @@ class Sampler:
         # logits: (rows, vocab) float32, one row per sequence to sample
         raw_logprobs = self.raw_logprobs(logits, meta)
         logits = self.processed(logits, meta)
-        tokens = self.ops.argmax(logits)
         greedy = [t == 0 for t in meta.temperatures]
-        if not all(greedy):
-            sampled = self.draw(self.probs(logits, meta), meta.generators)
-            tokens = torch.where(torch.tensor(greedy, device=logits.device), tokens, sampled)
+        if all(greedy):
+            tokens = self.ops.argmax(logits)
+        else:
+            tokens = self.sample(logits, meta)
+            if any(greedy):
+                tokens = torch.where(torch.tensor(greedy, device=logits.device),
+                                     self.ops.argmax(logits), tokens)
         token_ids = tokens.tolist()
         logprobs = [None if k is None else top_logprobs(raw_logprobs[i], k, token_ids[i])
                     for i, k in enumerate(meta.logprobs or [None] * len(meta))]
         return SamplerOutput(token_ids, logprobs)
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """One token per row drawn from its filtered distribution (probs), with one uniform
+        number per row: the kernels' sampler where there is one (csrc/sample.cpp: the same
+        draw without the ~20 tensor ops over the vocabulary), else inverse_cdf(probs)."""
+        u = self.uniforms(meta.generators, logits.device)
+        drawn = self.ops.sample(logits, meta.temperatures, meta.top_k, meta.top_p, meta.min_p, u)
+        if drawn is not None and (int(drawn.min()) >= 0 or not any(
+                t > 0 and d < 0 for t, d in zip(meta.temperatures, drawn.tolist()))):
+            return drawn
+        return inverse_cdf(self.probs(logits, meta), u)  # also rows with a NaN / all -inf
 
     # ---- the pieces, shared with verification of drafted tokens (rejection_sampler.py) -------
     @staticmethod
@@ -218,6 +232,8 @@ class Sampler:
     def uniforms(self, generators: list[torch.Generator | None], device) -> torch.Tensor:
         """One uniform number in [0, 1) per entry: from the entry's own generator (seeded
         requests), else from the sampler's, drawn together."""
+        if all(g is None for g in generators):  # the numbers `shared` would get below
+            return torch.rand(len(generators), device=device, generator=self.generator)
         u = torch.empty(len(generators), device=device)
         shared = [i for i, g in enumerate(generators) if g is None]
         if shared:

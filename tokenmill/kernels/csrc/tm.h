@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 14
+#define TM_ABI_VERSION 15
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -141,6 +141,12 @@ TM_API void tm_silu_mul(int dtype, const void* x, void* out, int64_t rows, int64
 TM_API void tm_gelu_tanh_mul(int dtype, const void* x, void* out, int64_t rows, int64_t inter);
 /* first index of each row's maximum (NaN counts as the largest) */
 TM_API void tm_argmax_rows(const float* x, int64_t rows, int64_t n, int64_t* out);
+/* one token per row of float32 logits (rows, vocab) drawn with the row's temperature, top_k
+ * (0: off), top_p (1: off), min_p (0: off) and uniform u in [0, 1), as layers/sampler.py's
+ * reference draws it; -1 for a row it leaves to the caller (temperature 0, a NaN, all -inf) */
+TM_API void tm_sample_rows(const float* logits, int64_t rows, int64_t vocab,
+                           const float* temperatures, const int64_t* top_k, const float* top_p,
+                           const float* min_p, const float* u, int64_t* out);
 /* q (batch, heads, head_dim) against one layer's paged cache (blocks, block_size, kv_heads,
  * head_dim); block_tables (batch, max_blocks); window 0 = unlimited */
 TM_API void tm_decode_attention(int dtype, const void* q, const void* k_cache,
