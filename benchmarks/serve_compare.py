@@ -4,11 +4,13 @@ loaded by `tokenmill bench serve` with the same workload (default: 16 concurrent
 
 Engines: tokenmill serve; llama.cpp's llama-server -np 16 (built by build_llama_cpp.sh); vLLM
 CPU when --vllm-python points at a Python with vllm installed (skipped with a note otherwise).
+--temperature / --top-p make every request sample (default greedy), as chat clients do.
 --format Q4_K_M (or Q8_0, Q4_0, Q4_1: benchmarks/quant_formats.py makes the files) serves that
 quantized file from tokenmill (dtype auto: it stays quantized) and llama-server; vLLM only
 takes the BF16 weights. Prints a table with ratios and ends with one JSON line.
 
     python benchmarks/serve_compare.py [--vllm-python /opt/vllm/bin/python] [--format Q4_K_M]
+        [--temperature 0.7 --top-p 0.9]
 """
 
 from __future__ import annotations
@@ -107,7 +109,9 @@ def bench(args, name: str, cmd: list[str], port: int) -> dict:
         subprocess.run([sys.executable, "-m", "tokenmill", "bench", "serve", "--base-url", url,
                         "--num-prompts", str(args.num_prompts), "--max-concurrency",
                         str(args.concurrency), "--input-len", str(args.input_len),
-                        "--output-len", str(args.output_len), "--save-result", str(out),
+                        "--output-len", str(args.output_len), "--temperature",
+                        str(args.temperature), "--top-p", str(args.top_p),
+                        "--save-result", str(out),
                         "--disable-tqdm"], check=True, env=env, cwd=ROOT)
         result = json.loads(out.read_text())
         result["startup_s"] = startup
@@ -129,6 +133,9 @@ def main() -> None:
     ap.add_argument("--engines", default="tokenmill,llama.cpp,vLLM",
                     help="comma-separated subset to run")
     ap.add_argument("--format", default="BF16", help="BF16, or a quantized GGUF format")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every request's temperature (0: greedy, every engine's argmax)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="every request's top-p (1: off)")
     args = ap.parse_args()
     gguf = bf16_gguf(args.model)
     if args.format != "BF16":

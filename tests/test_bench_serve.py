@@ -71,7 +71,8 @@ def test_bench_serve_command(server, tmp_path):
     out = tmp_path / "result.json"
     cmd = [sys.executable, "-m", "tokenmill", "bench", "serve", "--base-url", server.url,
            "--num-prompts", "12", "--input-len", "20", "--output-len", "6",
-           "--max-concurrency", "4", "--shared-prefix-len", "16", "--save-result", str(out)]
+           "--max-concurrency", "4", "--shared-prefix-len", "16", "--temperature", "0.8",
+           "--top-p", "0.9", "--save-result", str(out)]  # sampled, as chat clients ask
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -24,10 +24,12 @@ class RequestResult:
     text: str = ""
 
 
-def completion_payload(model: str, prompt: str, max_tokens: int, ignore_eos: bool) -> dict:
+def completion_payload(model: str, prompt: str, max_tokens: int, ignore_eos: bool,
+                       temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """Fixed output length where the server supports it: vLLM and tokenmill read ignore_eos and
     min_tokens; llama.cpp reads ignore_eos; others ignore the extras."""
-    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+    payload = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+               "temperature": temperature, "top_p": top_p,
                "stream": True, "stream_options": {"include_usage": True}}
     if ignore_eos:
         payload.update(ignore_eos=True, min_tokens=max_tokens)

@@ -32,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-concurrency", type=int, help="most requests in flight at once")
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="do not send ignore_eos/min_tokens (servers that reject extra fields)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p of every request (1: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--save-result", metavar="PATH", help="write the results as JSON")
@@ -84,7 +87,8 @@ async def _benchmark(args, requests) -> int:
             raise RuntimeError(f"cannot list models at {base}/v1/models: {e}") from e
 
         def payload(r):
-            return completion_payload(model, r.prompt, r.output_len, not args.no_ignore_eos)
+            return completion_payload(model, r.prompt, r.output_len, not args.no_ignore_eos,
+                                      args.temperature, args.top_p)
 
         warm = await stream_completion(client, url, payload(requests[0]), headers)
         if not warm.success:
