@@ -118,3 +118,11 @@ def test_the_sampler_uses_it_and_keeps_its_random_stream(kops):
         assert fast == ref
         assert fast[2] == logits[2].argmax().item()
 
+
+
+def test_tensors_off_the_cpu_are_an_error_not_a_crash(kops):
+    logits, ones = torch.randn(2, 50), torch.ones(2)
+    ok = (ones, torch.zeros(2, dtype=torch.int64), ones, torch.zeros(2), torch.rand(2))
+    assert kops.lib.sample_rows(logits, *ok).shape == (2,)
+    with pytest.raises(ValueError, match="on the CPU"):
+        kops.lib.sample_rows(logits, ok[0].to("meta"), *ok[1:])

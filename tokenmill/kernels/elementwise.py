@@ -95,10 +95,12 @@ class ElementwiseCalls:
         rows = logits.shape[0] if logits.dim() == 2 else -1
         params = (temperatures, top_k, top_p, min_p, u)
         _check(rows >= 0 and logits.dtype == torch.float32 and logits.shape[1] > 0
+               and all(t.device.type == "cpu" for t in (logits, *params))
                and all(p.shape == (rows,) and p.is_contiguous() for p in params)
                and [p.dtype for p in params] == [torch.float32, torch.int64, torch.float32,
                                                   torch.float32, torch.float32],
-               "sample_rows: (rows, vocab) float32 logits and one parameter of each per row")
+               "sample_rows: (rows, vocab) float32 logits and one parameter of each per row, "
+               "on the CPU")
         logits = logits.contiguous()
         out = torch.empty(rows, dtype=torch.int64, device=logits.device)
         self._sync_threads()

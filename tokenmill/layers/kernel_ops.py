@@ -203,8 +203,10 @@ class KernelOps(TorchOps):
         if not (self.fits(logits) and logits.dtype == torch.float32 and logits.dim() == 2
                 and logits.shape[1] > 0):
             return super().sample(logits, temperatures, top_k, top_p, min_p, u)
-        floats = torch.tensor([temperatures, top_p, min_p], dtype=torch.float32)
-        return self.lib.sample_rows(logits, floats[0], torch.tensor(top_k, dtype=torch.int64),
+        dev = logits.device
+        floats = torch.tensor([temperatures, top_p, min_p], dtype=torch.float32, device=dev)
+        return self.lib.sample_rows(logits, floats[0],
+                                    torch.tensor(top_k, dtype=torch.int64, device=dev),
                                     floats[1], floats[2], u.float().contiguous())
 
     def fused_decoder(self, weights):
