@@ -152,14 +152,14 @@ size_t nucleus(Cand* c, size_t n, const float* w, double mass, double top_p) {
   return lo;
 }
 
-struct Scratch {
+struct SampleScratch {
   std::vector<float> w, maxima;
   std::vector<int32_t> idx;
   std::vector<Cand> cand;
 };
 
 int64_t sample_row(const float* l, int64_t n, float t, int64_t top_k, float top_p, float min_p,
-                   float u, Scratch& sc) {
+                   float u, SampleScratch& sc) {
   sc.w.resize(n);
   float* w = sc.w.data();
   float m;
@@ -217,7 +217,7 @@ extern "C" void tm_sample_rows(const float* logits, int64_t rows, int64_t vocab,
                                const float* top_p, const float* min_p, const float* u,
                                int64_t* out) {
   parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    thread_local Scratch sc;
+    thread_local SampleScratch sc;
     for (int64_t r = r0; r < r1; ++r)
       out[r] = sample_row(logits + r * vocab, vocab, temperatures[r], top_k[r], top_p[r],
                           min_p[r], u[r], sc);
