@@ -161,9 +161,7 @@ void gelu_tanh_mul_rows(const T* x, T* out, int64_t rows, int64_t I) {
   });
 }
 
-// The index of a row's largest value, the first on ties, a NaN counting as the largest
-// (torch.argmax's rules): one vectorized pass for the maximum, one for its first index.
-int64_t argmax_row(const float* p, int64_t n) {
+float row_max(const float* p, int64_t n, bool& has_nan) {
   vec mx = vset1(-INFINITY), nan = vzero();
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
@@ -172,8 +170,16 @@ int64_t argmax_row(const float* p, int64_t n) {
     mx = vmax(mx, v);
   }
   float m = vhmax(mx);
-  bool has_nan = vany(nan);
+  has_nan = vany(nan);
   for (int64_t j = i; j < n; ++j) { has_nan |= std::isnan(p[j]); m = std::max(m, p[j]); }
+  return m;
+}
+
+// The index of a row's largest value, the first on ties, a NaN counting as the largest
+// (torch.argmax's rules): one vectorized pass for the maximum, one for its first index.
+int64_t argmax_row(const float* p, int64_t n) {
+  bool has_nan;
+  const float m = row_max(p, n, has_nan);
   int64_t at = 0;
   if (has_nan) {
     while (!std::isnan(p[at])) ++at;

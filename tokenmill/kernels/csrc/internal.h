@@ -21,6 +21,9 @@ void packed_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int 
 void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
                   void* out, const int64_t* prompt, int64_t ranges);
 
+// elementwise.cpp: a row's largest value (NaNs aside, -inf for none) and whether it has a NaN
+float row_max(const float* p, int64_t n, bool& has_nan);
+
 // kv_store.cpp: rows (n, D <= 256) float32 <- rows @ R, or @ R^T (the int4 KV rotation)
 void rotate_rows(float* x, int64_t n, int64_t D, const float* R, bool transpose);
 

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "common.h"
+#include "internal.h"
 #include "tm.h"
 #include "vec.h"
 
@@ -23,24 +24,6 @@ namespace {
 
 constexpr float kSmallest = -87.f;  // weights under e^-87 (~1.6e-38) count as 0
 constexpr int64_t kBlock = 16 * kLanes;  // values per partial sum (row_weights and scan agree)
-
-// false if a logit is NaN or none is above -inf; else m = the largest
-bool row_max(const float* l, int64_t n, float& m) {
-  vec mx = vset1(-INFINITY), nan = vzero();
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    const vec v = vload(l + i);
-    nan = vor(nan, vnan_mask(v));
-    mx = vmax(mx, v);
-  }
-  m = vhmax(mx);
-  bool bad = vany(nan);
-  for (; i < n; ++i) {
-    bad |= std::isnan(l[i]);
-    m = std::max(m, l[i]);
-  }
-  return !bad && m > -INFINITY;
-}
 
 // The sum of w[i, i + len) (len a multiple of kLanes) as scan and row_weights add it
 inline double block_sum(const float* w, int64_t len) {
@@ -101,17 +84,26 @@ double draw_target(double total, float u) {
   return std::min(static_cast<double>(u) * total, static_cast<double>(std::nextafter(t, 0.f)));
 }
 
-// The indices of the weights >= floor into idx (a vector compare, then its set lanes)
-void at_least(const float* w, int64_t n, float floor, std::vector<int32_t>& idx) {
+// A candidate: its logit and index, the better first (the larger logit, then the lower index)
+struct Cand {
+  float logit;
+  int32_t i;
+  bool operator<(const Cand& o) const { return logit > o.logit || (logit == o.logit && i < o.i); }
+};
+
+// The tokens whose weight is >= floor as candidates (a vector compare, then its set lanes)
+void at_least(const float* l, const float* w, int64_t n, float floor, std::vector<Cand>& c) {
   const vec f = vset1(floor);
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes) {
     const vec v = vload(w + i);
-    for (int hit = vmask_eq(vmax(v, f), v); hit; hit &= hit - 1)
-      idx.push_back(static_cast<int32_t>(i + __builtin_ctz(hit)));
+    for (int hit = vmask_eq(vmax(v, f), v); hit; hit &= hit - 1) {
+      const int32_t j = static_cast<int32_t>(i + __builtin_ctz(hit));
+      c.push_back({l[j], j});
+    }
   }
   for (; i < n; ++i)
-    if (w[i] >= floor) idx.push_back(static_cast<int32_t>(i));
+    if (w[i] >= floor) c.push_back({l[i], static_cast<int32_t>(i)});
 }
 
 // A weight the k-th largest is at least: the k-th largest of the vectors' maxima (k vectors
@@ -125,13 +117,6 @@ float top_k_floor(const float* w, int64_t n, int64_t k, std::vector<float>& maxi
   std::nth_element(maxima.begin(), maxima.begin() + (k - 1), maxima.end(), std::greater<>());
   return maxima[k - 1];
 }
-
-// A candidate: its logit and index, the better first (the larger logit, then the lower index)
-struct Cand {
-  float logit;
-  int32_t i;
-  bool operator<(const Cand& o) const { return logit > o.logit || (logit == o.logit && i < o.i); }
-};
 
 // How many of the best candidates top-p keeps: a token is kept while the mass of the better
 // ones is under top_p (w / mass its probability). Halves the range with nth_element (the better
@@ -162,8 +147,10 @@ int64_t sample_row(const float* l, int64_t n, float t, int64_t top_k, float top_
                    float u, SampleScratch& sc) {
   sc.w.resize(n);
   float* w = sc.w.data();
-  float m;
-  if (t <= 0 || !row_max(l, n, m)) return -1;  // greedy rows, NaN or all -inf: the caller's
+  if (t <= 0) return -1;  // a greedy row: the caller's argmax
+  bool nan;
+  const float m = row_max(l, n, nan);
+  if (nan || m == -INFINITY) return -1;  // a NaN, or no finite logit: the reference draws
   const float lo = min_p > 0 ? std::max(kSmallest, std::log(min_p)) : kSmallest;
   const double total = row_weights(l, n, m, t, lo, w);
   const bool use_k = top_k > 0 && top_k < n, use_p = top_p < 1;
@@ -171,14 +158,11 @@ int64_t sample_row(const float* l, int64_t n, float t, int64_t top_k, float top_
   // the candidates: every weight the k best (top-k) or the nucleus (top-p) can hold. Top-p's
   // tokens are the best ones while the mass before them is under top_p, so all have a weight
   // of at least (1 - top_p) total / n: the weights below that add up to less than 1 - top_p.
-  std::vector<int32_t>& idx = sc.idx;
-  idx.clear();
-  float floor = use_k ? top_k_floor(w, n, top_k, sc.maxima) : 0.f;
-  if (!use_k) floor = static_cast<float>((1.0 - top_p) * total / static_cast<double>(n));
-  at_least(w, n, std::max(floor, std::numeric_limits<float>::min()), idx);
+  const float floor = use_k ? top_k_floor(w, n, top_k, sc.maxima)
+                            : static_cast<float>((1.0 - top_p) * total / static_cast<double>(n));
   std::vector<Cand>& c = sc.cand;
   c.clear();
-  for (int32_t i : idx) c.push_back({l[i], i});
+  at_least(l, w, n, std::max(floor, std::numeric_limits<float>::min()), c);
   size_t keep = c.size();
   double mass = total;  // top-p's probabilities are among the tokens top-k kept
   if (use_k) {
@@ -192,7 +176,8 @@ int64_t sample_row(const float* l, int64_t n, float t, int64_t top_k, float top_
     for (size_t j = 0; j < keep; ++j) mass += w[c[j].i];
   }
   if (use_p) keep = nucleus(c.data(), keep, w, mass, top_p);
-  idx.clear();  // drawn in vocabulary order, as the reference draws
+  std::vector<int32_t>& idx = sc.idx;  // drawn in vocabulary order, as the reference draws
+  idx.clear();
   for (size_t j = 0; j < keep; ++j) idx.push_back(c[j].i);
   std::sort(idx.begin(), idx.end());
   double kept_total = 0;
