@@ -1,5 +1,5 @@
 // tokenmill CPU kernels: what every kernel shares, whatever the instruction set: the bfloat16
-// storage type and its roundings, and a parallel loop over OpenMP.
+// storage type and its roundings, and the parallel loops (over OpenMP, or a step's team).
 //
 // Arithmetic mirrors the PyTorch references in tokenmill/layers/ops.py: accumulate in float32,
 // round to the tensor's dtype (float32 or bfloat16) at the points where the reference rounds.
@@ -14,6 +14,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#include "team.h"
 
 namespace tm {
 
@@ -88,12 +90,20 @@ extern int g_threads;
 
 // f(begin, end) on contiguous slices of [begin, end), one per thread, at least `grain` items
 // each (at::parallel_for's split); inline when the range is small or already inside a
-// parallel region.
+// parallel region. In a step's team (team.h) each slice is a part of a job.
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   int64_t n = end - begin;
   if (n <= 0) return;
   int64_t threads = std::min<int64_t>(g_threads, (n + grain - 1) / std::max<int64_t>(grain, 1));
+  if (Team* team = threads > 1 ? Team::driving() : nullptr) {
+    const int64_t chunk = (n + threads - 1) / threads;
+    team->parts(threads, [&](int64_t t) {
+      const int64_t b = begin + t * chunk;
+      if (b < end) f(b, std::min(end, b + chunk));
+    });
+    return;
+  }
 #ifdef _OPENMP
   if (threads > 1 && !omp_in_parallel()) {
     int64_t chunk = (n + threads - 1) / threads;
@@ -114,6 +124,10 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
 // already inside a parallel region.
 template <typename F>
 void parallel_dynamic(int64_t n, const F& f, int64_t serial = 1) {
+  if (Team* team = g_threads > 1 && n > serial ? Team::driving() : nullptr) {
+    team->parts(n, f);
+    return;
+  }
 #ifdef _OPENMP
   if (g_threads > 1 && n > serial && !omp_in_parallel()) {
 #pragma omp parallel for schedule(dynamic, 1) num_threads(static_cast<int>(std::min<int64_t>(g_threads, n)))
@@ -168,6 +182,10 @@ void parallel_steal(int64_t begin, int64_t end, const F& f) {
     };
     f(take);
   };
+  if (Team* team = threads > 1 ? Team::driving() : nullptr) {
+    team->parts(threads, go);
+    return;
+  }
 #ifdef _OPENMP
   if (threads > 1 && !omp_in_parallel()) {
 #pragma omp parallel num_threads(static_cast<int>(threads))

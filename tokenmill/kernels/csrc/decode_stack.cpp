@@ -213,9 +213,11 @@ extern "C" void tm_decode_stack(const tm_decoder* m, void* x, int64_t batch,
                                 int64_t block_size, const int64_t* chunk_starts,
                                 int64_t chunks, const int64_t* prompt_rows, int64_t ranges,
                                 const int64_t* out_rows, int64_t outs) {
-  if (m->dtype == TM_BF16)
-    return decode_stack(*m, static_cast<bf16*>(x), batch, positions, pools, block_size,
-                        chunk_starts, chunks, prompt_rows, ranges, out_rows, outs);
-  decode_stack(*m, static_cast<float*>(x), batch, positions, pools, block_size, chunk_starts,
-               chunks, prompt_rows, ranges, out_rows, outs);
+  Team::run(g_threads, [&] {  // the step's parallel loops as one team's jobs (team.h)
+    if (m->dtype == TM_BF16)
+      return decode_stack(*m, static_cast<bf16*>(x), batch, positions, pools, block_size,
+                          chunk_starts, chunks, prompt_rows, ranges, out_rows, outs);
+    decode_stack(*m, static_cast<float*>(x), batch, positions, pools, block_size, chunk_starts,
+                 chunks, prompt_rows, ranges, out_rows, outs);
+  });
 }
