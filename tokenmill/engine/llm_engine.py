@@ -29,6 +29,7 @@ from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.spec_decode import SpecDecoder, measure_step_cost
 from tokenmill.engine.startup import Stopwatch
 from tokenmill.engine.structured import StructuredOutputs
+from tokenmill.engine.thread_governor import ThreadGovernor
 from tokenmill.layers import ops
 from tokenmill.loaders import load_model
 from tokenmill.loaders.resolve import load_tokenizer, read_model_config, resolve_model
@@ -93,6 +94,8 @@ class LLMEngine:
             backend,
         )
         self.runner.tp_driver = self.tp
+        self.governor = ThreadGovernor.for_engine(self.device, config.deterministic,
+                                                  self.tp is not None)
         clock.lap("kv cache")
         self.runner.prepare_weights()
         if self.device.type == "cpu":
@@ -225,7 +228,8 @@ class LLMEngine:
         now = time.perf_counter()
         rows, targets = self._sample_plan(sched.scheduled, now)
         masks = self.structured.start(targets)  # computed while the model runs
-        result = self.runner.execute(sched.scheduled, rows, targets, masks)
+        with self.governor.step():  # fewer threads while the CPU is shared
+            result = self.runner.execute(sched.scheduled, rows, targets, masks)
         now = time.perf_counter()
         for seq, n in sched.scheduled:
             if seq.spec_token_ids:
