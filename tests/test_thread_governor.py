@@ -1,6 +1,8 @@
 """The thread governor (engine/thread_governor.py) on a simulated clock: it gives up a thread
-when the steps get too little of their threads' time, tries one more after a wait that doubles
-with each failed try, keeps a try that holds, and never goes below one or above the start."""
+when the steps get too little of their threads' time while the OS preempts them often (not
+for a low share alone: a small model's idle threads), tries one more after a wait that doubles
+with each failed try, keeps a try that holds, never goes below one or above the start, and
+gives every thread back on restore()."""
 
 import logging
 
@@ -8,20 +10,26 @@ from tokenmill.engine.thread_governor import ThreadGovernor
 
 
 class Machine:
-    """Steps of 10 ms wall time whose threads each get `share` of it (the CPU time)."""
+    """Steps of 10 ms wall time whose threads each get `share` of it (the CPU time) and are
+    preempted 500 times a second when that is below 0.9 (a neighbour takes their CPU), 20
+    otherwise, or `preempted` times."""
 
-    def __init__(self, threads: int, share: float, **kw) -> None:
-        self.now = self.cpu = 0.0
+    def __init__(self, threads: int, share, preempted=None, **kw) -> None:
+        self.now = self.cpu = self.switches = 0.0
         self.share = share
+        self.preempted = preempted or (lambda n: 500 if share(n) < 0.9 else 20)
         self.log: list[int] = []
         self.gov = ThreadGovernor(threads, clock=lambda: self.now, cpu_clock=lambda: self.cpu,
+                                  preemptions=lambda: self.switches,
                                   set_threads=self.log.append, **kw)
 
     def run(self, seconds: float) -> None:
         for _ in range(round(seconds / 0.01)):
             with self.gov.step():
+                n = self.gov.threads
                 self.now += 0.01
-                self.cpu += 0.01 * self.gov.threads * self.share(self.gov.threads)
+                self.cpu += 0.01 * n * self.share(n)
+                self.switches += 0.01 * n * self.preempted(n)
 
 
 def test_a_shared_cpu_costs_a_thread_and_tries_come_back_less_often(caplog):
@@ -60,3 +68,20 @@ def test_never_below_one_thread_nor_when_off():
     one = Machine(1, lambda n: 0.3)
     one.run(3.0)
     assert one.log == []
+
+
+def test_a_low_share_without_preemption_keeps_the_threads():
+    # a model too small to keep 2 threads busy: half their time idle, but never preempted
+    m = Machine(2, lambda n: 0.5, preempted=lambda n: 20)
+    m.run(3.0)
+    assert m.log == [] and m.gov.threads == 2
+
+
+def test_restore_gives_every_thread_back():
+    m = Machine(4, lambda n: 0.5)
+    m.run(0.6)
+    assert m.gov.threads == 1 and m.log == [3, 2, 1]
+    m.gov.restore()
+    assert m.gov.threads == 4 and m.log[-1] == 4
+    m.gov.restore()  # nothing to give back: no call
+    assert m.log == [3, 2, 1, 4]

@@ -212,7 +212,9 @@ class LLMEngine:
         return bool(self.requests)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (also done at exit)."""
+        """Stop the tensor-parallel workers, if any (also done at exit); give the process its
+        threads back if the governor took some."""
+        self.governor.restore()
         if self.tp is not None:
             self.tp.shutdown()
 
