@@ -9,6 +9,8 @@ reads the paged cache like a decode token, and its logits score the next draft.
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +28,8 @@ from tokenmill.layers.rejection_sampler import Span, verify
 from tokenmill.layers.sampler import GrammarMasks, Sampler, top_logprobs
 from tokenmill.layers.slot_cache import PooledChunk, PooledContext, SlotCache
 from tokenmill.models.config import ModelConfig
+
+logger = logging.getLogger("tokenmill")
 
 
 @dataclass
@@ -86,9 +90,19 @@ class ModelRunner:
     def prepare_weights(self) -> None:
         """Pack every linear layer's weight (and plan its GEMMs and prefill attention) now, not
         in the first step."""
+        # a weight the packed GEMM runs alone needs no row-major copy beside its panels
+        # (half a float model's memory); not one another module shares (a tied LM head's
+        # embedding reads rows)
+        uses = Counter(id(p) for _, p in self.model.named_parameters(remove_duplicate=False))
+        dropped = 0
         for module in self.model.modules():
             if isinstance(module, Linear):
                 module.prepared()
+                if uses[id(module.weight)] == 1 and module.drop_rows():
+                    dropped += module.weight.numel() * module.weight.element_size()
+        if dropped:
+            logger.info("weights: %.1f MiB of row-major copies freed (the kernels read their "
+                        "packed panels)", dropped / 2**20)
         cfg, cache = self.config, self.kv_cache
         if self.pooled:
             return

@@ -64,6 +64,7 @@ _SIGNATURES = {
     "tm_panel_rows": (_I, []),
     "tm_packed_numel": (_I, [c_int, _I, _I]),
     "tm_pack_weight": (None, [c_int, _P, _I, _I, _P]),
+    "tm_unpack_weight": (None, [c_int, _P, _I, _I, _P]),
     "tm_linear_fwd": (None, [c_int, _P, _I, POINTER(Linear), c_int, _P, _P, _I]),
     "tm_quant_fast": (c_int, []),
     "tm_qpacked_bytes": (_I, [c_int, _I, _I]),
@@ -157,6 +158,19 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         self._lib.tm_pack_weight(dt, w.data_ptr(), n, k, packed.data_ptr())
         b = None if bias is None else bias.detach().float().contiguous()
         return PackedLinear(packed, b, n, k, gated=gated)
+
+    def unpack(self, w: PackedLinear) -> torch.Tensor:
+        """pack()'s inverse for a float weight: its (n, k) rows as they were given (gate |
+        up for a gated pack), in the packed dtype."""
+        _check(not w.bits and w.packed.dtype in DTYPES, "unpack: a float packed weight")
+        out = torch.empty(w.n, w.k, dtype=w.packed.dtype)
+        self._sync_threads()
+        self._lib.tm_unpack_weight(DTYPES[w.packed.dtype], w.packed.data_ptr(), w.n, w.k,
+                                   out.data_ptr())
+        if w.gated:  # undo the interleave: gate[0:h], up[0:h], gate[h:2h], ...
+            h = self.panel_rows // 2
+            out = out.view(-1, 2, h, w.k).transpose(0, 1).reshape(w.n, w.k)
+        return out
 
     def can_gate(self, n: int) -> bool:
         return n % self.panel_rows == 0

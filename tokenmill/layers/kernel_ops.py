@@ -63,6 +63,17 @@ class KernelOps(TorchOps):
             return None
         return self.planner.prepare(weight, bias, gated and self.lib.can_gate(weight.shape[0]))
 
+    def runs_prepared_only(self, prepared) -> bool:
+        """A float weight whose every row count runs on the packed GEMM (PyTorch's never won
+        the planner's measurement): its rows are needed only to rebuild them (dropped_rows)."""
+        from tokenmill.kernels.gemm_plan import NEVER
+
+        return prepared is not None and not prepared.packed.bits and (
+            prepared.torch_from_rows == NEVER)
+
+    def dropped_rows(self, prepared):
+        return self.lib.unpack(prepared.packed)
+
     @property
     def quantized_kernels(self) -> bool:
         return self.lib.quant_fast

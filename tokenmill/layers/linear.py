@@ -88,12 +88,33 @@ class Linear(nn.Module):
     def prepared(self):
         """What the op implementation precomputes from the weight (the C++ GEMM's packed
         panels and its GEMM plan), computed on first use and again whenever the weight or bias
-        is replaced or written in place."""
+        is replaced or written in place (not once its rows are dropped: drop_rows)."""
+        if self.rows_dropped:
+            return self._prepared[1]
         key = tuple((t.data_ptr(), t._version) for t in (self.weight, self.bias) if t is not None)
         if self._prepared is None or self._prepared[0] != key:
             gated = self.gated and self.tp is None and self.input_perm is None
             self._prepared = (key, self.ops.prepare_linear(self.weight, self.bias, gated))
         return self._prepared[1]
+
+    @property
+    def rows_dropped(self) -> bool:
+        return getattr(self.weight, "rows_dropped", False)
+
+    def drop_rows(self) -> bool:
+        """Free the float weight's rows when the op implementation runs every call from what
+        it prepared (ops.runs_prepared_only); they are rebuilt from it for any call that needs
+        them (ops.linear's fallbacks). The parameter keeps its shape, as a quantized one does.
+        Returns whether the rows were dropped."""
+        if self.rows_dropped or quant_of(self.weight) is not None:
+            return self.rows_dropped
+        prepared = self.prepared()
+        if not self.ops.runs_prepared_only(prepared):
+            return False
+        w = self.weight
+        w.data = torch.empty(1, dtype=w.dtype, device=w.device).expand(w.shape)
+        w.rows_dropped = True
+        return True
 
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
         if self.input_perm is not None:

@@ -108,12 +108,23 @@ class TorchOps:
         weight dequantized to bf16 (tm.h, tm_linear_fwd). The reference computes all alike."""
         yield
 
+    def runs_prepared_only(self, prepared) -> bool:
+        """Whether every linear call of a layer prepared as `prepared` reads only that, never
+        the weight's rows (which the layer may then drop)."""
+        return False
+
+    def dropped_rows(self, prepared) -> torch.Tensor:
+        """The rows of a weight dropped under runs_prepared_only, rebuilt from `prepared`."""
+        raise RuntimeError(f"{self.name} drops no weight rows")
+
     def linear(self, x: torch.Tensor, layer, out_fp32: bool = False) -> torch.Tensor:
         """x @ layer.weight.T + layer.bias, in x's dtype, or in float32 with out_fp32."""
         weight = layer.weight
         q = getattr(weight, "quant", None)
         if q is not None:
             weight = self.dequantize(q).to(x.device, x.dtype)
+        elif getattr(weight, "rows_dropped", False):  # rebuilt from the prepared form
+            weight = self.dropped_rows(layer.prepared())
         if out_fp32 and x.dtype != torch.float32:
             bias = None if layer.bias is None else layer.bias.float()
             return F.linear(x.float(), weight.float(), bias)

@@ -198,6 +198,14 @@ inline int64_t panel_depth(int dtype, int64_t k) { return dot_layout(dtype) ? (k
 // Panels from rows: row(r, buf) writes row r's k values (as float32) into buf; rows past n and
 // k past the weight's are zero. Float rows hold bf16 values exactly, so a bf16 weight packs
 // bit for bit.
+// The slot of (row j, k kk) in a panel: see the layouts at the top of this file.
+template <typename W>
+inline int64_t panel_slot(bool pairs, int64_t j, int64_t kk) {
+  return pairs ? (kk / 2) * 2 * kPanel + j * 2 + kk % 2
+         : std::is_same_v<W, bf16> ? kk * kPanel + (j % kLanes) * 2 + j / kLanes
+                                   : kk * kPanel + j;
+}
+
 template <typename W>
 void pack_from(int64_t n, int64_t k, bool pairs, W* out, const RowFn& row) {
   int64_t depth = pairs ? (k + 1) / 2 * 2 : k, panels = (n + kPanel - 1) / kPanel;
@@ -207,14 +215,20 @@ void pack_from(int64_t n, int64_t k, bool pairs, W* out, const RowFn& row) {
       std::fill(rows.begin(), rows.end(), 0.f);
       for (int64_t j = 0; j < kPanel && p * kPanel + j < n; ++j) row(p * kPanel + j, &rows[j * depth]);
       W* dst = out + p * depth * kPanel;
-      // slot of (row j, k kk) in the panel: see the layouts at the top of this file
       for (int64_t kk = 0; kk < depth; ++kk)
-        for (int64_t j = 0; j < kPanel; ++j) {
-          int64_t slot = pairs ? (kk / 2) * 2 * kPanel + j * 2 + kk % 2
-                         : std::is_same_v<W, bf16> ? kk * kPanel + (j % kLanes) * 2 + j / kLanes
-                                                   : kk * kPanel + j;
-          dst[slot] = from_f<W>(rows[j * depth + kk]);
-        }
+        for (int64_t j = 0; j < kPanel; ++j) dst[panel_slot<W>(pairs, j, kk)] = from_f<W>(rows[j * depth + kk]);
+    }
+  });
+}
+
+// The (n, k) rows back from panels (pack_from's inverse, values as stored).
+template <typename W>
+void unpack_to(int64_t n, int64_t k, bool pairs, const W* in, W* out) {
+  const int64_t depth = pairs ? (k + 1) / 2 * 2 : k;
+  parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const W* src = in + r / kPanel * depth * kPanel;
+      for (int64_t kk = 0; kk < k; ++kk) out[r * k + kk] = src[panel_slot<W>(pairs, r % kPanel, kk)];
     }
   });
 }
@@ -272,6 +286,12 @@ void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out) {
       buf[i] = dtype == TM_F32 ? static_cast<const float*>(w)[r * k + i]
                                : to_f(static_cast<const bf16*>(w)[r * k + i]);
   });
+}
+
+void tm_unpack_weight(int dtype, const void* packed, int64_t n, int64_t k, void* out) {
+  if (dtype == TM_F32)
+    return unpack_to(n, k, false, static_cast<const float*>(packed), static_cast<float*>(out));
+  unpack_to(n, k, dot_layout(dtype), static_cast<const bf16*>(packed), static_cast<bf16*>(out));
 }
 
 void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,

@@ -102,6 +102,8 @@ TM_API void tm_set_num_threads(int threads);
 TM_API int64_t tm_panel_rows(void);
 TM_API int64_t tm_packed_numel(int dtype, int64_t n, int64_t k);
 TM_API void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out);
+/* tm_pack_weight's inverse: the (n, k) rows of a packed weight, row-major, in its dtype */
+TM_API void tm_unpack_weight(int dtype, const void* packed, int64_t n, int64_t k, void* out);
 /* Block-quantized weights: codes (n, k) uint8 and float16 d, m (n, k / 32), w = d * code + m,
  * repacked for the kernels (bits 4, 5 or 8; k a multiple of 32); tm_qdequantize gives `count`
  * rows (rows[i], or row i when rows is NULL) back in float32, and returns 0, or -1 (nothing
