@@ -60,7 +60,8 @@ def test_lanes_scores_equal_per_key_scores(tmp_path):
     src.write_text(PROGRAM)
     flags = [f for f in BASE_FLAGS if f not in ("-shared", "-fPIC", "-fvisibility=hidden")]
     subprocess.run([compiler(), *flags, "-DTM_ISA_AVX512_BF16", *ISA_FLAGS["avx512_bf16"],
-                    "-fopenmp", f"-I{CSRC}", str(src), "-o", str(exe)], check=True)
+                    "-fopenmp", f"-I{CSRC}", str(src), str(CSRC / "team.cpp"), "-o", str(exe)],
+                   check=True)
     differ, total = map(int, subprocess.run([str(exe)], capture_output=True, text=True,
                                             check=True).stdout.split())
     # every head_dim, 1-16 keys, 40 draws: score_lanes, then 1-9 queries together

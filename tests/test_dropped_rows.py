@@ -55,6 +55,7 @@ def test_a_dropped_layer_computes_as_before(kops, monkeypatch, gated):
         assert torch.equal(before, F.linear(x, w))
     # the reference path (as a fallback takes it) reads rows rebuilt from the panels
     assert torch.equal(ops.TorchOps.linear(kops, x, layer), F.linear(x, w))
+    assert torch.equal(layer.rows(), w)
     assert layer.drop_rows()  # once dropped, stays so
 
 

@@ -50,7 +50,7 @@ def test_greedy_32_tokens_match(pair):
 
 def test_conv1d_weights_are_transposed(pair):
     model, llm = pair
-    ours = llm.engine.runner.model.transformer.h[0].attn.c_attn.weight
+    ours = llm.engine.runner.model.transformer.h[0].attn.c_attn.rows()  # dropped: rebuilt
     assert torch.equal(ours, model.transformer.h[0].attn.c_attn.weight.t())
 
 

@@ -101,6 +101,10 @@ class Linear(nn.Module):
     def rows_dropped(self) -> bool:
         return getattr(self.weight, "rows_dropped", False)
 
+    def rows(self) -> torch.Tensor:
+        """The float weight's rows: the parameter's, or rebuilt once dropped (drop_rows)."""
+        return self.ops.dropped_rows(self.prepared()) if self.rows_dropped else self.weight
+
     def drop_rows(self) -> bool:
         """Free the float weight's rows when the op implementation runs every call from what
         it prepared (ops.runs_prepared_only); they are rebuilt from it for any call that needs

@@ -124,7 +124,7 @@ class TorchOps:
         if q is not None:
             weight = self.dequantize(q).to(x.device, x.dtype)
         elif getattr(weight, "rows_dropped", False):  # rebuilt from the prepared form
-            weight = self.dropped_rows(layer.prepared())
+            weight = layer.rows()
         if out_fp32 and x.dtype != torch.float32:
             bias = None if layer.bias is None else layer.bias.float()
             return F.linear(x.float(), weight.float(), bias)
