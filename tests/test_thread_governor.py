@@ -85,3 +85,26 @@ def test_restore_gives_every_thread_back():
     assert m.gov.threads == 4 and m.log[-1] == 4
     m.gov.restore()  # nothing to give back: no call
     assert m.log == [3, 2, 1, 4]
+
+
+def test_an_engine_gives_its_threads_back_when_collected(tiny_llama, monkeypatch):
+    import gc
+
+    import torch
+
+    from tokenmill import LLM
+
+    path, _ = tiny_llama
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        llm = LLM(str(path), dtype="float32", max_model_len=64, max_num_seqs=2)
+        gov = llm.engine.governor
+        assert gov.enabled and gov.max == 2
+        gov._change(1, 0.0, logging.DEBUG, "test")  # as under a busy neighbour
+        assert torch.get_num_threads() == 1
+        del llm, gov
+        gc.collect()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)

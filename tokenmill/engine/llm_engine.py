@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import replace
 
 import torch
@@ -96,6 +97,7 @@ class LLMEngine:
         self.runner.tp_driver = self.tp
         self.governor = ThreadGovernor.for_engine(self.device, config.deterministic,
                                                   self.tp is not None)
+        weakref.finalize(self, self.governor.restore)  # the process's threads back when done
         clock.lap("kv cache")
         self.runner.prepare_weights()
         if self.device.type == "cpu":
