@@ -35,6 +35,17 @@ CHAT_TEMPLATE = (
 ENGINE_DEFAULTS = dict(max_model_len=256, kv_cache_memory=8 * 2**20, max_num_seqs=32)
 
 
+def build_loops_program(source: Path, exe: Path) -> None:
+    """Compile a test program over the kernels' parallel loops (kernels/csrc/common.h, which
+    links team.cpp) with OpenMP."""
+    import subprocess
+
+    from tokenmill.kernels import build
+
+    subprocess.run([build.compiler(), "-O2", "-std=c++17", "-fopenmp", str(source),
+                    str(build.CSRC / "team.cpp"), "-o", str(exe)], check=True)
+
+
 def fixtures_dir() -> Path | None:
     candidates = [os.environ.get("TOKENMILL_FIXTURES"), REPO.parent / "shared" / "fixtures",
                   "/work/shared/fixtures"]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import build_loops_program
 from tokenmill.kernels import build
 
 SOURCE = Path(__file__).parent / "csrc" / "parallel_steal.cpp"
@@ -16,8 +17,7 @@ SOURCE = Path(__file__).parent / "csrc" / "parallel_steal.cpp"
 @pytest.mark.skipif(not build.compiler(), reason="needs a C++ compiler")
 def test_every_item_once_and_the_slow_threads_run_shrinks(tmp_path):
     exe = tmp_path / "steal"
-    subprocess.run([build.compiler(), "-O2", "-std=c++17", "-fopenmp", str(SOURCE),
-                    str(build.CSRC / "team.cpp"), "-o", str(exe)], check=True)
+    build_loops_program(SOURCE, exe)
     lines = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
     lines = lines.split("\n")
     assert not [x for x in lines if x.startswith("bad")]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import build_loops_program
 from tokenmill.kernels import build
 
 SOURCE = Path(__file__).parent / "csrc" / "team.cpp"
@@ -17,8 +18,7 @@ SOURCE = Path(__file__).parent / "csrc" / "team.cpp"
 @pytest.mark.skipif(not build.compiler(), reason="needs a C++ compiler")
 def test_team_jobs(tmp_path):
     exe = tmp_path / "team"
-    subprocess.run([build.compiler(), "-O2", "-std=c++17", "-fopenmp", str(SOURCE),
-                    str(build.CSRC / "team.cpp"), "-o", str(exe)], check=True)
+    build_loops_program(SOURCE, exe)
     proc = subprocess.run([str(exe)], capture_output=True, text=True, timeout=120)
     lines = proc.stdout.splitlines()
     assert not [x for x in lines if x.startswith("bad")], proc.stdout

@@ -25,6 +25,7 @@ from tokenmill.engine.memory import (
 )
 from tokenmill.engine.model_runner import ModelRunner
 from tokenmill.engine.request import Request
+from tokenmill.engine.request_checks import check_params, check_prompt, prompt_ids
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.engine.sequence import Sequence
 from tokenmill.engine.spec_decode import SpecDecoder, measure_step_cost
@@ -146,23 +147,14 @@ class LLMEngine:
     # ---- requests ---------------------------------------------------------------------------
     def tokenize(self, prompt) -> tuple[str | None, list[int]]:
         """A string, {"prompt_token_ids": [...]}, or {"prompt": "..."} -> (text, token ids)."""
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            prompt = prompt.get("prompt")
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string or {{'prompt_token_ids': [...]}}, "
-                             f"got {type(prompt).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass prompt_token_ids instead of text")
-        return prompt, self.tokenizer.encode(prompt)
+        return prompt_ids(prompt, self.tokenizer)
 
     def add_request(self, request_id: str | None, prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None) -> str:
         params = params or SamplingParams()
         text, ids = self.tokenize(prompt)
         self._validate_prompt(ids)
-        self._validate_params(params)
+        check_params(params, self.model_config.vocab_size)
         grammar = self.structured.check(params)
         if request_id is None:
             request_id = f"req-{self._counter}"
@@ -181,23 +173,7 @@ class LLMEngine:
         return request_id
 
     def _validate_prompt(self, ids: list[int]) -> None:
-        if not ids:
-            raise ValueError("prompt is empty: it must have at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}")
-        if len(ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens but max_model_len is {self.config.max_model_len}; "
-                "the prompt must leave room for at least one generated token"
-            )
-
-    def _validate_params(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:  # beyond the vocabulary they can never be sampled (nor banned by min_tokens)
-            raise ValueError(f"stop_token_ids must be in [0, {vocab}), got {bad[:3]}")
+        check_prompt(ids, self.model_config.vocab_size, self.config.max_model_len)
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.pop(request_id, None)
