@@ -14,6 +14,7 @@ import torch
 from tokenmill.kernels.elementwise import DTYPES, ElementwiseCalls
 from tokenmill.kernels.isa import os_allows_amx
 from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check, _index, _ptr  # noqa: F401
+from tokenmill.kernels.weight_arena import ARENA
 
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
@@ -153,7 +154,9 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         w = w.contiguous()
         n, k = w.shape
         dt = DTYPES[w.dtype]
-        packed = torch.empty(self._lib.tm_packed_numel(dt, n, k), dtype=w.dtype, device=w.device)
+        numel = self._lib.tm_packed_numel(dt, n, k)
+        packed = (ARENA.empty(numel, w.dtype) if w.device.type == "cpu"
+                  else torch.empty(numel, dtype=w.dtype, device=w.device))
         self._sync_threads()
         self._lib.tm_pack_weight(dt, w.data_ptr(), n, k, packed.data_ptr())
         b = None if bias is None else bias.detach().float().contiguous()
@@ -183,7 +186,7 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         _check(bits in QUANT_BITS and k % 32 == 0 and codes.dtype == torch.uint8
                and d.dtype == m.dtype == torch.float16 and d.shape == m.shape == (n, k // 32),
                f"qpack: ({n}, {k}) {bits}-bit codes with (n, k / 32) float16 scales")
-        packed = torch.empty(self._lib.tm_qpacked_bytes(bits, n, k), dtype=torch.uint8)
+        packed = ARENA.empty(self._lib.tm_qpacked_bytes(bits, n, k), torch.uint8)
         codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
         self._sync_threads()
         self._lib.tm_qpack(bits, codes.data_ptr(), d.data_ptr(), m.data_ptr(), n, k,
