@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from tokenmill.kernels import stream_prefetch
 from tokenmill.kernels.lib import KernelLib, PackedLinear
 
 logger = logging.getLogger("tokenmill")
@@ -108,6 +109,7 @@ class GemmPlanner:
         self.path = path or home() / "kernels" / "gemm_plan.json"
         self.machine = f"{describe_cpu()}|{lib.isa}|{lib.source_hash}|torch {torch.__version__}"
         self.table = self._read()
+        stream_prefetch.choose(lib, self.path.with_name("stream_prefetch.json"))
 
     @staticmethod
     @functools.cache

@@ -19,7 +19,7 @@ from tokenmill.kernels.weight_arena import ARENA
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 15
+ABI_VERSION = 16
 _P, _I = c_void_p, c_int64
 
 
@@ -62,6 +62,7 @@ _SIGNATURES = {
     "tm_isa": (c_char_p, []),
     "tm_source_hash": (c_char_p, []),
     "tm_set_num_threads": (None, [c_int]),
+    "tm_set_stream_prefetch": (None, [c_int]),
     "tm_panel_rows": (_I, []),
     "tm_packed_numel": (_I, [c_int, _I, _I]),
     "tm_pack_weight": (None, [c_int, _P, _I, _I, _P]),
@@ -134,6 +135,12 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         if n != self._threads:
             self._lib.tm_set_num_threads(n)
             self._threads = n
+
+    def set_stream_prefetch(self, nta: bool) -> None:
+        """How the bf16 dot-product GEMM prefetches the weights of calls of up to 4 rows:
+        non-temporally (nta) or into L2 (the default); the same results either way
+        (kernels/stream_prefetch.py chooses)."""
+        self._lib.tm_set_stream_prefetch(int(nta))
 
     # ---- GEMM -------------------------------------------------------------------------------
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None,

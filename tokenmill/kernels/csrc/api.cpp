@@ -8,6 +8,7 @@
 
 namespace tm {
 int g_threads = 1;
+int g_stream_nta = 0;
 }
 
 extern "C" {
@@ -16,5 +17,6 @@ int tm_abi_version(void) { return TM_ABI_VERSION; }
 const char* tm_isa(void) { return tm::kIsa; }
 const char* tm_source_hash(void) { return TM_SOURCE_HASH; }
 void tm_set_num_threads(int threads) { tm::g_threads = threads > 0 ? threads : 1; }
+void tm_set_stream_prefetch(int nta) { tm::g_stream_nta = nta != 0; }
 
 }  // extern "C"

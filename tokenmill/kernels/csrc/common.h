@@ -87,6 +87,10 @@ template <typename T> inline float rnd(float v) { return to_f(from_f<T>(v)); }
 
 // Threads the kernels use (set from Python to torch.get_num_threads()).
 extern int g_threads;
+// 1: the bf16 dot-product GEMM prefetches the weights of a call with few rows (each panel read
+// once) non-temporally instead of into L2; set from Python where that measured faster
+// (kernels/stream_prefetch.py)
+extern int g_stream_nta;
 
 // f(begin, end) on contiguous slices of [begin, end), one per thread, at least `grain` items
 // each (at::parallel_for's split); inline when the range is small or already inside a

@@ -13,12 +13,13 @@ namespace tm {
 
 constexpr int kDotTileRows = 8;  // 16 of the 32 zmm registers accumulate
 constexpr int64_t kDotChunk = 128;  // k pairs: 128 x 128 bytes = 16 KiB of panel
+constexpr int64_t kStreamRows = 4;  // calls of up to this many rows may prefetch nta
 
 // acc[i] (+)= x[i] . panel over k pairs [kp0, kp1) for MR input rows (stride ldx); the pair at
 // `pairs` (when kp1 passes it) is an odd K's last k, paired with a zero.
 template <int MR>
 void micro_dot(const bf16* x, int64_t ldx, const bf16* panel, int64_t kp0, int64_t kp1,
-               int64_t pairs, bool first, float (*acc)[kPanel], const char* pf) {
+               int64_t pairs, bool first, float (*acc)[kPanel], const char* pf, bool nta) {
   constexpr bool kTwoSets = MR <= 3;  // few rows: enough independent chains in flight
   __m512 c[MR][2], d[MR][2];
 #pragma GCC unroll 16
@@ -41,8 +42,9 @@ void micro_dot(const bf16* x, int64_t ldx, const bf16* panel, int64_t kp0, int64
   };
   int64_t end = std::min(kp1, pairs), kp = kp0;
   for (; kp + 2 <= end; kp += 2) {
-    if (pf) {  // two k pairs = 256 bytes of panel, prefetched a chunk ahead into L2
-      for (int b = 0; b < 256; b += 64) prefetch_l2(pf + (kp - kp0) * 128 + b);
+    if (pf) {  // two k pairs = 256 bytes of panel, prefetched a chunk ahead (into L2, or nta)
+      for (int b = 0; b < 256; b += 64)
+        nta ? prefetch_nta(pf + (kp - kp0) * 128 + b) : prefetch_l2(pf + (kp - kp0) * 128 + b);
     }
     step(c, kp, false);
     step(kTwoSets ? d : c, kp + 1, false);
@@ -59,9 +61,10 @@ void micro_dot(const bf16* x, int64_t ldx, const bf16* panel, int64_t kp0, int64
 template <int R>
 void micro_dot_rows(int64_t rows, const bf16* x, int64_t ldx, const bf16* panel, int64_t kp0,
                     int64_t kp1, int64_t pairs, bool first, float (*acc)[kPanel],
-                    const char* pf) {
-  if (rows >= R) return micro_dot<R>(x, ldx, panel, kp0, kp1, pairs, first, acc, pf);
-  if constexpr (R > 1) micro_dot_rows<R - 1>(rows, x, ldx, panel, kp0, kp1, pairs, first, acc, pf);
+                    const char* pf, bool nta) {
+  if (rows >= R) return micro_dot<R>(x, ldx, panel, kp0, kp1, pairs, first, acc, pf, nta);
+  if constexpr (R > 1)
+    micro_dot_rows<R - 1>(rows, x, ldx, panel, kp0, kp1, pairs, first, acc, pf, nta);
 }
 
 // Work items are (row block, panel) pairs as in gemm_packed (parallel_steal); within one, chunk
@@ -88,6 +91,11 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
   const bool own_rows = amx && M >= 128 * g_threads && N * K * 2 <= 2 * row_block_bytes();
   const RowBlocks rb(M, K, amx ? 32 : MR, sizeof(bf16), own_rows ? g_threads : 1);
   const int64_t block = rb.size, blocks = rb.count;
+  // up to 4 rows a call is a memory stream with little arithmetic between loads: there the
+  // L2 prefetch slowed a 1-row GEMM 1.2-1.4x on a Zen 4 against none or prefetchnta (which
+  // kernels/stream_prefetch.py chooses by measurement); from ~5 rows it overlaps the stream
+  // with the tiles' arithmetic (8 rows: 1.2x faster than nta)
+  const bool nta = g_stream_nta && M <= kStreamRows;
   parallel_steal(0, blocks * panels, [&](const auto& take) {
     thread_local std::vector<float> scratch;
     scratch.resize(block * kPanel);
@@ -132,7 +140,7 @@ void gemm_dot(const bf16* x, const bf16* w, int64_t panel_elems, const float* bi
         for (int64_t i = 0; i < rows; i += tile_rows)
           micro_dot_rows<MR>(std::min<int64_t>(tile_rows, rows - i), x + (m0 + i) * K, K, panel, kp,
                              std::min(total, kp + kDotChunk), pairs, kp == 0, acc + i,
-                             i == 0 && pf < stop ? pf : nullptr);
+                             i == 0 && pf < stop ? pf : nullptr, nta);
       }
       store_rows(acc, 0, rows);
     }

@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 15
+#define TM_ABI_VERSION 16
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -98,6 +98,9 @@ TM_API int tm_abi_version(void);
 TM_API const char* tm_isa(void);
 TM_API const char* tm_source_hash(void);
 TM_API void tm_set_num_threads(int threads);
+/* 1: the bf16 dot-product GEMM (AVX512-BF16 / AMX builds) prefetches the weights of calls of up
+ * to 4 rows with prefetchnta, 0 (the default): into L2; the same results either way */
+TM_API void tm_set_stream_prefetch(int nta);
 
 TM_API int64_t tm_panel_rows(void);
 TM_API int64_t tm_packed_numel(int dtype, int64_t n, int64_t k);

@@ -20,7 +20,8 @@
 //                               128-bit lanes); one int16 pair in every pair (values_int.h)
 //   vload_i32 vload_f16         x86 only: kLanes int32 as an ivec; kLanes IEEE halves as
 //                               float32 (quant_amx.h)
-//   prefetch_l1 prefetch_l2     software prefetch (none in the portable build)
+//   prefetch_l1 prefetch_l2     software prefetch (none in the portable build); prefetch_nta:
+//   prefetch_nta                a line read once (kept out of the outer caches where the CPU can)
 #pragma once
 
 #if defined(TM_ISA_AVX512) || defined(TM_ISA_AVX512_BF16)

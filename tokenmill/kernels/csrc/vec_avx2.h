@@ -150,5 +150,6 @@ inline void vstore_i16(int16_t* p, vec v) {  // rounded to nearest, saturated
 // Prefetches as asm statements: GCC deletes a loop of _mm_prefetch calls and nothing else.
 inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*(const char*)p)); }
 inline void prefetch_l2(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*(const char*)p)); }
+inline void prefetch_nta(const void* p) { asm volatile("prefetchnta %0" : : "m"(*(const char*)p)); }
 
 }  // namespace tm

@@ -159,5 +159,6 @@ inline void vstore_i16(int16_t* p, vec v) {  // rounded to nearest, saturated
 
 inline void prefetch_l1(const void* p) { __builtin_prefetch(p, 0, 3); }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+inline void prefetch_nta(const void* p) { __builtin_prefetch(p, 0, 0); }
 
 }  // namespace tm

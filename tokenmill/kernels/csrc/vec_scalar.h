@@ -153,5 +153,6 @@ inline void vstore_i16(int16_t* p, vec v) {  // rounded to nearest (even), satur
 
 inline void prefetch_l1(const void*) {}
 inline void prefetch_l2(const void*) {}
+inline void prefetch_nta(const void*) {}
 
 }  // namespace tm
