@@ -5,8 +5,8 @@ A decode step reads every packed weight once; at 4 KiB pages a 100-500 MB model 
 are carved from anonymous mappings advised with MADV_HUGEPAGE (2 MiB pages where the kernel's
 `transparent_hugepage` setting is `madvise` or `always`): small tensors share 32 MiB chunks,
 a large one gets a mapping of its own. llama.cpp gets the same from its mmap of the model file
-where the page cache holds it in huge folios. On a 2-vCPU Zen 4 (KVM) decode ran 1.1x faster
-(docs/performance.md, "Stop 59").
+where the page cache holds it in huge folios. On a 2-vCPU Zen 4 (KVM) decode ran 1.10x (the
+default Q4_1 file) to 1.29x (Gemma-3-270M in BF16) faster (docs/performance.md, "Stop 59").
 
 A chunk's memory is returned when the last tensor carved from it is freed (the tensors hold
 the mapping). Untouched parts of a chunk are never resident. TOKENMILL_HUGE_PAGES=0 turns this
