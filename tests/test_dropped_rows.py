@@ -1,6 +1,7 @@
 """A float weight that runs on the packed GEMM alone keeps only its panels: the engine drops
 the row-major copy (half a float model's memory) and rebuilds the rows from the panels for any
-call that needs them (kernels/csrc/gemm.cpp tm_unpack_weight, layers/linear.py drop_rows)."""
+call that needs them (kernels/csrc/gemm.cpp tm_unpack_weight, layers/linear.py drop_rows); a
+tied embedding reads its lookups' rows from the LM head's panels."""
 
 from __future__ import annotations
 
@@ -79,14 +80,54 @@ def test_the_engine_drops_unshared_rows_and_matches_transformers(tiny_llama, mon
         assert o.outputs[0].token_ids == hf_greedy(hf, p, 8)
 
 
-def test_a_tied_lm_head_keeps_its_rows(tmp_path, monkeypatch):
+def test_unpack_of_chosen_rows(kops):
+    lib = kops.lib
+    w = torch.randn(70, 33).to(torch.bfloat16)
+    packed = lib.pack(w)
+    ids = torch.tensor([69, 0, 5, 5, 32, 31])
+    assert torch.equal(lib.unpack(packed, ids), w[ids])
+    assert lib.unpack(packed, torch.tensor([], dtype=torch.int64)).shape == (0, 33)
+    with pytest.raises(ValueError, match=r"row indices in \[0, 70\)"):
+        lib.unpack(packed, torch.tensor([3, 70]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tied_lm_head_drops_its_rows_and_the_embedding_reads_the_panels(tmp_path, monkeypatch,
+                                                                          dtype):
     from tests.conftest import save_tiny_model
 
     monkeypatch.setenv("TOKENMILL_GEMM", "packed")
-    save_tiny_model(tmp_path, "llama", tie_word_embeddings=True)
-    llm = LLM(str(tmp_path), dtype="float32", max_model_len=64, max_num_seqs=2,
-              use_kernels=True)
+    hf = save_tiny_model(tmp_path, "llama", tie_word_embeddings=True)
+    llm = LLM(str(tmp_path), dtype=dtype, max_model_len=64, max_num_seqs=2, use_kernels=True)
     model = llm.engine.runner.model
-    assert model.lm_head.weight is model.model.embed_tokens.weight
-    assert not model.lm_head.rows_dropped
-    assert model.model.layers[0].mlp.down_proj.rows_dropped
+    embed = model.model.embed_tokens
+    assert model.lm_head.weight is embed.weight
+    assert model.lm_head.rows_dropped and embed.weight.untyped_storage().nbytes() <= 4
+    table = hf.model.embed_tokens.weight.detach().to(getattr(torch, dtype))
+    ids = torch.tensor([[3, 0, 17], [table.shape[0] - 1, 3, 8]])
+    assert torch.equal(embed(ids), table[ids])
+    if dtype == "float32":  # the greedy tokens of transformers, through the panels' rows
+        prompts = random_prompts(2, 4, 12, seed=5)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == hf_greedy(hf, p, 6)
+
+
+def test_a_weight_two_linears_share_keeps_its_rows(kops, monkeypatch):
+    from torch import nn
+
+    from tokenmill.layers.linear import drop_row_copies, embedding
+
+    monkeypatch.setenv("TOKENMILL_GEMM", "packed")
+    with ops.building(kops):
+        model = nn.ModuleDict({"a": Linear(32, [64]), "b": Linear(32, [64]),
+                               "head": Linear(32, [96]), "embed": embedding(96, 32),
+                               "alone": Linear(64, [64])})
+    model["b"].weight = model["a"].weight  # shared by two linears: both keep the rows
+    model["head"].weight = model["embed"].weight  # a tied head: its embedding reads panels
+    releases = []
+    dropped = drop_row_copies(model, lambda: releases.append(1) or True)
+    assert not model["a"].rows_dropped and not model["b"].rows_dropped
+    assert model["head"].rows_dropped and model["alone"].rows_dropped
+    assert dropped == (96 * 32 + 64 * 64) * 4 and len(releases) == 1  # under 8 MiB: at start

@@ -10,12 +10,12 @@ reads the paged cache like a decode token, and its logits score the next draft.
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from tokenmill.engine.host_memory import release_freed_memory
 from tokenmill.engine.kv_manager import CacheGroup
 from tokenmill.engine.sampling_metadata import sampling_metadata
 from tokenmill.engine.sequence import Sequence
@@ -23,7 +23,7 @@ from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PrefillChunk
 from tokenmill.layers.kv_cache import KVCache
 from tokenmill.layers.kv_quant import kv_format
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import drop_row_copies
 from tokenmill.layers.rejection_sampler import Span, verify
 from tokenmill.layers.sampler import GrammarMasks, Sampler, top_logprobs
 from tokenmill.layers.slot_cache import PooledChunk, PooledContext, SlotCache
@@ -90,16 +90,7 @@ class ModelRunner:
     def prepare_weights(self) -> None:
         """Pack every linear layer's weight (and plan its GEMMs and prefill attention) now, not
         in the first step."""
-        # a weight the packed GEMM runs alone needs no row-major copy beside its panels
-        # (half a float model's memory); not one another module shares (a tied LM head's
-        # embedding reads rows)
-        uses = Counter(id(p) for _, p in self.model.named_parameters(remove_duplicate=False))
-        dropped = 0
-        for module in self.model.modules():
-            if isinstance(module, Linear):
-                module.prepared()
-                if uses[id(module.weight)] == 1 and module.drop_rows():
-                    dropped += module.weight.numel() * module.weight.element_size()
+        dropped = drop_row_copies(self.model, release_freed_memory)
         if dropped:
             logger.info("weights: %.1f MiB of row-major copies freed (the kernels read their "
                         "packed panels)", dropped / 2**20)

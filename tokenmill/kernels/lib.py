@@ -19,7 +19,7 @@ from tokenmill.kernels.weight_arena import ARENA
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 16
+ABI_VERSION = 17
 _P, _I = c_void_p, c_int64
 
 
@@ -66,7 +66,7 @@ _SIGNATURES = {
     "tm_panel_rows": (_I, []),
     "tm_packed_numel": (_I, [c_int, _I, _I]),
     "tm_pack_weight": (None, [c_int, _P, _I, _I, _P]),
-    "tm_unpack_weight": (None, [c_int, _P, _I, _I, _P]),
+    "tm_unpack_weight": (c_int, [c_int, _P, _I, _I, _P, _I, _P]),
     "tm_linear_fwd": (None, [c_int, _P, _I, POINTER(Linear), c_int, _P, _P, _I]),
     "tm_quant_fast": (c_int, []),
     "tm_qpacked_bytes": (_I, [c_int, _I, _I]),
@@ -169,14 +169,20 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         b = None if bias is None else bias.detach().float().contiguous()
         return PackedLinear(packed, b, n, k, gated=gated)
 
-    def unpack(self, w: PackedLinear) -> torch.Tensor:
+    def unpack(self, w: PackedLinear, rows: torch.Tensor | None = None) -> torch.Tensor:
         """pack()'s inverse for a float weight: its (n, k) rows as they were given (gate |
-        up for a gated pack), in the packed dtype."""
+        up for a gated pack), in the packed dtype; or those indexed by `rows` (not gated)."""
         _check(not w.bits and w.packed.dtype in DTYPES, "unpack: a float packed weight")
-        out = torch.empty(w.n, w.k, dtype=w.packed.dtype)
+        _check(rows is None or not w.gated, "unpack: rows of a gated pack")
+        idx = None if rows is None else _index(rows)
+        out = torch.empty(w.n if idx is None else idx.numel(), w.k, dtype=w.packed.dtype)
+        if idx is not None and idx.numel() == 0:
+            return out
         self._sync_threads()
-        self._lib.tm_unpack_weight(DTYPES[w.packed.dtype], w.packed.data_ptr(), w.n, w.k,
-                                   out.data_ptr())
+        _check(self._lib.tm_unpack_weight(DTYPES[w.packed.dtype], w.packed.data_ptr(), w.n, w.k,
+                                          _ptr(idx), 0 if idx is None else idx.numel(),
+                                          out.data_ptr()) == 0,
+               f"unpack: row indices in [0, {w.n})")
         if w.gated:  # undo the interleave: gate[0:h], up[0:h], gate[h:2h], ...
             h = self.panel_rows // 2
             out = out.view(-1, 2, h, w.k).transpose(0, 1).reshape(w.n, w.k)

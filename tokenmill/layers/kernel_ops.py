@@ -71,8 +71,8 @@ class KernelOps(TorchOps):
         return prepared is not None and not prepared.packed.bits and (
             prepared.torch_from_rows == NEVER)
 
-    def dropped_rows(self, prepared):
-        return self.lib.unpack(prepared.packed)
+    def dropped_rows(self, prepared, rows=None):
+        return self.lib.unpack(prepared.packed, rows)
 
     @property
     def quantized_kernels(self) -> bool:

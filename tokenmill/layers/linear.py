@@ -5,9 +5,14 @@ embedding table, built like the other layers: uninitialized, for the checkpoint 
 Either may hold a quantized weight (tokenmill/quantization): its parameter then keeps only its
 shape (no storage) and `weight.quant` holds what the op implementation executes (the kernels'
 repacked codes); a tied LM head shares it with the embedding through the shared parameter.
+A float weight the packed GEMM runs alone drops its rows the same way (drop_row_copies), and
+a tied embedding then reads its lookups' rows back from the LM head's panels.
 """
 
 from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -118,6 +123,7 @@ class Linear(nn.Module):
         w = self.weight
         w.data = torch.empty(1, dtype=w.dtype, device=w.device).expand(w.shape)
         w.rows_dropped = True
+        w.prepared_from = prepared  # where a tied embedding reads its rows (Embedding._lookup)
         return True
 
     def forward(self, x: torch.Tensor, out_fp32: bool = False) -> torch.Tensor:
@@ -159,11 +165,41 @@ class Embedding(nn.Embedding):
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         q = quant_of(self.weight)
-        if q is None:
+        if q is not None:
+            rows = self.ops.quantized_rows(q, ids.reshape(-1))
+        elif getattr(self.weight, "rows_dropped", False):  # a tied LM head's panels hold them
+            rows = self.ops.dropped_rows(self.weight.prepared_from, ids.reshape(-1))
+        else:
             return super().forward(ids)
-        rows = self.ops.quantized_rows(q, ids.reshape(-1))
         return rows.to(self.weight.dtype).reshape(*ids.shape, -1)
 
 
 def embedding(num: int, dim: int) -> Embedding:
     return Embedding(num, dim)
+
+
+def drop_row_copies(model: nn.Module, release: Callable[[], bool] = lambda: False) -> int:
+    """Pack every linear layer of `model`; drop the row-major copy (half a float model's
+    memory) of each weight the packed GEMM runs alone (Linear.drop_rows), unless a module other
+    than an embedding shares it (a tied LM head's embedding reads its lookups' rows from the
+    panels). The panels come from fresh mappings (kernels/weight_arena.py), not the heap's
+    free lists, so `release` (glibc's malloc_trim) gives the load's temporaries and each 8 MiB
+    of dropped rows back to the OS as packing goes: else the start-up peak holds every row and
+    every panel at once. Returns the bytes dropped."""
+    users = defaultdict(list)
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users[id(p)].append(module)
+    trims = release()
+    dropped = unreleased = 0
+    for module in model.modules():
+        if not isinstance(module, Linear):
+            continue
+        module.prepared()
+        others = [m for m in users[id(module.weight)] if m is not module]
+        if all(isinstance(m, Embedding) for m in others) and module.drop_rows():
+            nbytes = module.weight.numel() * module.weight.element_size()
+            dropped, unreleased = dropped + nbytes, unreleased + nbytes
+            if trims and unreleased >= 8 << 20:
+                trims, unreleased = release(), 0
+    return dropped

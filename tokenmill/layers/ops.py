@@ -113,8 +113,9 @@ class TorchOps:
         the weight's rows (which the layer may then drop)."""
         return False
 
-    def dropped_rows(self, prepared) -> torch.Tensor:
-        """The rows of a weight dropped under runs_prepared_only, rebuilt from `prepared`."""
+    def dropped_rows(self, prepared, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The rows of a weight dropped under runs_prepared_only (all, or those indexed by
+        `rows`: a tied embedding's lookups), rebuilt from `prepared`."""
         raise RuntimeError(f"{self.name} drops no weight rows")
 
     def linear(self, x: torch.Tensor, layer, out_fp32: bool = False) -> torch.Tensor:

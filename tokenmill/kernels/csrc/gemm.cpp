@@ -221,14 +221,16 @@ void pack_from(int64_t n, int64_t k, bool pairs, W* out, const RowFn& row) {
   });
 }
 
-// The (n, k) rows back from panels (pack_from's inverse, values as stored).
+// Rows back from panels (pack_from's inverse, values as stored): out[i] = row rows[i] (row i
+// when rows is null), for i < count.
 template <typename W>
-void unpack_to(int64_t n, int64_t k, bool pairs, const W* in, W* out) {
+void unpack_to(int64_t k, bool pairs, const W* in, const int64_t* rows, int64_t count, W* out) {
   const int64_t depth = pairs ? (k + 1) / 2 * 2 : k;
-  parallel_for(0, n, 64, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
+  parallel_for(0, count, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = rows ? rows[i] : i;
       const W* src = in + r / kPanel * depth * kPanel;
-      for (int64_t kk = 0; kk < k; ++kk) out[r * k + kk] = src[panel_slot<W>(pairs, r % kPanel, kk)];
+      for (int64_t kk = 0; kk < k; ++kk) out[i * k + kk] = src[panel_slot<W>(pairs, r % kPanel, kk)];
     }
   });
 }
@@ -288,10 +290,17 @@ void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out) {
   });
 }
 
-void tm_unpack_weight(int dtype, const void* packed, int64_t n, int64_t k, void* out) {
+int tm_unpack_weight(int dtype, const void* packed, int64_t n, int64_t k, const int64_t* rows,
+                     int64_t count, void* out) {
+  for (int64_t i = 0; rows && i < count; ++i)
+    if (rows[i] < 0 || rows[i] >= n) return -1;
+  if (!rows) count = n;
   if (dtype == TM_F32)
-    return unpack_to(n, k, false, static_cast<const float*>(packed), static_cast<float*>(out));
-  unpack_to(n, k, dot_layout(dtype), static_cast<const bf16*>(packed), static_cast<bf16*>(out));
+    unpack_to(k, false, static_cast<const float*>(packed), rows, count, static_cast<float*>(out));
+  else
+    unpack_to(k, dot_layout(dtype), static_cast<const bf16*>(packed), rows, count,
+              static_cast<bf16*>(out));
+  return 0;
 }
 
 void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,

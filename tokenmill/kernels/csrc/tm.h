@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 16
+#define TM_ABI_VERSION 17
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -105,8 +105,11 @@ TM_API void tm_set_stream_prefetch(int nta);
 TM_API int64_t tm_panel_rows(void);
 TM_API int64_t tm_packed_numel(int dtype, int64_t n, int64_t k);
 TM_API void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void* out);
-/* tm_pack_weight's inverse: the (n, k) rows of a packed weight, row-major, in its dtype */
-TM_API void tm_unpack_weight(int dtype, const void* packed, int64_t n, int64_t k, void* out);
+/* tm_pack_weight's inverse: rows of a packed (n, k) weight, row-major, in its dtype: `count`
+ * rows (rows[i]), or all n when rows is NULL; returns 0, or -1 (nothing written) when a row
+ * index is outside [0, n) */
+TM_API int tm_unpack_weight(int dtype, const void* packed, int64_t n, int64_t k,
+                            const int64_t* rows, int64_t count, void* out);
 /* Block-quantized weights: codes (n, k) uint8 and float16 d, m (n, k / 32), w = d * code + m,
  * repacked for the kernels (bits 4, 5 or 8; k a multiple of 32); tm_qdequantize gives `count`
  * rows (rows[i], or row i when rows is NULL) back in float32, and returns 0, or -1 (nothing
