@@ -58,6 +58,27 @@ def test_float32_file_matches_original_model(tmp_path, arch, tie):
     assert diff < 1e-4
 
 
+@pytest.mark.parametrize("tie", [False, True])
+def test_bf16_file_loads_the_same_values_without_float32(tmp_path, tie):
+    """A BF16 file's matrices go to a bfloat16 model as their bits (gguf.bf16_matrix), not
+    through float32 copies: the same parameters as the float32 load rounded (exact here)."""
+    model = tiny("llama", tie)
+    state = {k: v for k, v in model.state_dict().items() if not (tie and k == "lm_head.weight")}
+    types = {s: Q.BF16 for s in ("token_embd.weight", "output.weight", "attn_q.weight",
+                                 "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                                 "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")}
+    write_gguf(tmp_path / "m.gguf", "llama", model.config, state, types)
+    ours, _, dtype = load_gguf(str(tmp_path / "m.gguf"), "bfloat16", torch.device("cpu"), 64)
+    ref, _, _ = load_gguf(str(tmp_path / "m.gguf"), "float32", torch.device("cpu"), 64)
+    assert dtype == torch.bfloat16
+    theirs = dict(ref.named_parameters())
+    for name, p in ours.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, theirs[name].to(torch.bfloat16)), name
+    # the bits as stored (q and k rows un-permuted as for float32)
+    assert torch.equal(ours.model.layers[0].mlp.down_proj.weight,
+                       model.model.layers[0].mlp.down_proj.weight.to(torch.bfloat16))
+
+
 QUANT_MIX = {"token_embd.weight": Q.Q8_0, "attn_q.weight": Q.Q4_K, "attn_k.weight": Q.Q5_K,
              "attn_v.weight": Q.Q6_K, "attn_output.weight": Q.Q4_0, "ffn_gate.weight": Q.Q4_1,
              "ffn_up.weight": Q.F16, "ffn_down.weight": Q.BF16}
