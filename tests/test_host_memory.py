@@ -3,7 +3,7 @@ import resource
 import pytest
 import torch
 
-from tokenmill.engine.host_memory import keep_freed_memory
+from tokenmill.host_memory import keep_freed_memory
 
 
 def test_freed_step_buffers_are_reused_without_page_faults():

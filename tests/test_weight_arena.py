@@ -116,3 +116,16 @@ def test_packed_weights_live_in_the_arena_and_compute_the_same(monkeypatch):
     assert q.packed.untyped_storage().nbytes() > CHUNK
     ref = (codes.float() - 8) * d.float().repeat_interleave(32, dim=1)
     assert torch.allclose(lib.qdequantize(q), ref)
+
+
+def test_each_fresh_mapping_first_trims_the_heap(monkeypatch):
+    """Fresh mappings do not reuse the heap's free memory, so each gives it back first."""
+    monkeypatch.delenv("TOKENMILL_HUGE_PAGES", raising=False)
+    calls = []
+    monkeypatch.setattr(weight_arena, "release_freed_memory", lambda: calls.append(1) or True)
+    arena = WeightArena()
+    arena.empty(1000, torch.uint8)
+    arena.empty(1000, torch.uint8)  # the same chunk: no new mapping
+    assert len(calls) == 1
+    arena.empty(OWN_MAPPING, torch.uint8)
+    assert len(calls) == 2

@@ -12,7 +12,6 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.cache_config import plan_kv_cache, resolve_device
-from tokenmill.engine.host_memory import keep_freed_memory, release_freed_memory
 from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.memory import (
     MemoryReport,
@@ -32,6 +31,7 @@ from tokenmill.engine.spec_decode import SpecDecoder, measure_step_cost
 from tokenmill.engine.startup import Stopwatch
 from tokenmill.engine.structured import StructuredOutputs
 from tokenmill.engine.thread_governor import ThreadGovernor
+from tokenmill.host_memory import keep_freed_memory, release_freed_memory
 from tokenmill.layers import ops
 from tokenmill.loaders import load_model
 from tokenmill.loaders.resolve import load_tokenizer, read_model_config, resolve_model

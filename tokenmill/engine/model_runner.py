@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tokenmill.engine.host_memory import release_freed_memory
 from tokenmill.engine.kv_manager import CacheGroup
 from tokenmill.engine.sampling_metadata import sampling_metadata
 from tokenmill.engine.sequence import Sequence
+from tokenmill.host_memory import release_freed_memory
 from tokenmill.layers import ops
 from tokenmill.layers.attention import AttentionContext, PrefillChunk
 from tokenmill.layers.kv_cache import KVCache
