@@ -165,7 +165,7 @@ def gguf_weights(reader: GGUFFile, cfg: ModelConfig, keep_quantized: bool = Fals
             tensor = _unpermute(tensor, cfg.num_attention_heads)
         elif permute and ".k_proj." in name:
             tensor = _unpermute(tensor, cfg.num_key_value_heads)
-        reader.drop_pages()  # the tensor is a copy: the file's pages can go before it is used
+        reader.drop_pages()  # before the consumer copies it (a view would read the file again)
         yield name, tensor
 
 
