@@ -46,24 +46,24 @@ def test_choice_is_measured_once_then_cached(lib, tmp_path, monkeypatch):
 
     monkeypatch.setattr(stream_prefetch, "measure", fake)
     cache = tmp_path / "stream_prefetch.json"
-    assert stream_prefetch.choose(lib, cache) == "nta"
-    assert stream_prefetch.choose(lib, cache) == "nta" and len(calls) == 1
+    assert stream_prefetch.choose(lib, "cpu", cache) == "nta"
+    assert stream_prefetch.choose(lib, "cpu", cache) == "nta" and len(calls) == 1
     monkeypatch.setattr(stream_prefetch, "measure", lambda lib_, nbytes=None: {"l2": 1.0,
                                                                                 "nta": 0.97})
     cache.unlink()  # nta within the margin: l2 stays
-    assert stream_prefetch.choose(lib, cache) == "l2"
+    assert stream_prefetch.choose(lib, "cpu", cache) == "l2"
 
 
 def test_forced_and_builds_without_the_dot_gemm(lib, tmp_path, monkeypatch):
     monkeypatch.setattr(stream_prefetch, "measure", lambda *a, **k: pytest.fail("measured"))
     monkeypatch.setenv("TOKENMILL_STREAM_PREFETCH", "nta")
-    assert stream_prefetch.choose(lib, tmp_path / "c.json") == "nta"
+    assert stream_prefetch.choose(lib, "cpu", tmp_path / "c.json") == "nta"
     monkeypatch.setenv("TOKENMILL_STREAM_PREFETCH", "l2")
-    assert stream_prefetch.choose(lib, tmp_path / "c.json") == "l2"
+    assert stream_prefetch.choose(lib, "cpu", tmp_path / "c.json") == "l2"
     monkeypatch.setenv("TOKENMILL_STREAM_PREFETCH", "fast")
     with pytest.raises(ValueError, match="auto, l2 or nta"):
-        stream_prefetch.choose(lib, tmp_path / "c.json")
+        stream_prefetch.choose(lib, "cpu", tmp_path / "c.json")
     monkeypatch.delenv("TOKENMILL_STREAM_PREFETCH")
     monkeypatch.setattr(lib, "isa", "avx2")
-    assert stream_prefetch.choose(lib, tmp_path / "c.json") == "l2"
+    assert stream_prefetch.choose(lib, "cpu", tmp_path / "c.json") == "l2"
     assert not (tmp_path / "c.json").exists()

@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import stream_prefetch
 from tokenmill.kernels.lib import KernelLib, PackedLinear
 
 logger = logging.getLogger("tokenmill")
@@ -109,7 +108,9 @@ class GemmPlanner:
         self.path = path or home() / "kernels" / "gemm_plan.json"
         self.machine = f"{describe_cpu()}|{lib.isa}|{lib.source_hash}|torch {torch.__version__}"
         self.table = self._read()
-        stream_prefetch.choose(lib, self.path.with_name("stream_prefetch.json"))
+        from tokenmill.kernels import stream_prefetch  # (it reads and writes tables as here)
+
+        stream_prefetch.choose(lib, self.machine, self.path.with_name("stream_prefetch.json"))
 
     @staticmethod
     @functools.cache
@@ -145,19 +146,32 @@ class GemmPlanner:
 
     def _read(self) -> dict[str, GemmTimes]:
         try:
-            return {k: GemmTimes(**v) for k, v in json.loads(self.path.read_text()).items()}
-        except (OSError, ValueError, TypeError, AttributeError):
+            return {k: GemmTimes(**v) for k, v in read_json(self.path).items()}
+        except (TypeError, AttributeError):
             return {}
 
     def _write(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            merged = {**self._read(), **self.table}
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({k: vars(v) for k, v in merged.items()}, indent=1))
-            os.replace(tmp, self.path)
-        except OSError as e:  # a read-only home: measure again next time
-            logger.warning("cannot save the GEMM plan to %s (%s)", self.path, e)
+        write_json(self.path, {k: vars(v) for k, v in self.table.items()}, "the GEMM plan")
+
+
+def read_json(path: Path) -> dict:
+    """A table of first-start measurements cached on disk; {} when missing or unreadable."""
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
+def write_json(path: Path, entries: dict, what: str) -> None:
+    """Add `entries` to the table at `path` (atomically; other processes' entries kept)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**read_json(path), **entries}, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only home: measure again next time
+        logger.warning("cannot save %s to %s (%s)", what, path, e)
 
 
 def measure(lib: KernelLib, weight, bias, packed: PackedLinear) -> GemmTimes:

@@ -14,13 +14,13 @@ dot-product GEMM; the results are the same bits either way.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 
 import torch
 
+from tokenmill.kernels.gemm_plan import best_time, read_json, write_json
 from tokenmill.kernels.lib import KernelLib
 
 logger = logging.getLogger("tokenmill")
@@ -47,8 +47,6 @@ def weight_bytes() -> int:
 
 def measure(lib: KernelLib, nbytes: int | None = None) -> dict[str, float]:
     """Best seconds of a 1-row bf16 GEMM over `nbytes` of weights with each hint."""
-    from tokenmill.kernels.gemm_plan import best_time
-
     k = 1024
     n = (nbytes or weight_bytes()) // (2 * k) // lib.panel_rows * lib.panel_rows
     w = lib.pack(torch.full((n, k), 0.01, dtype=torch.bfloat16))
@@ -61,40 +59,20 @@ def measure(lib: KernelLib, nbytes: int | None = None) -> dict[str, float]:
     return times
 
 
-def choose(lib: KernelLib, cache: Path) -> str:
-    """Set and return the hint for this library: forced, cached, or measured now."""
+def choose(lib: KernelLib, machine: str, cache: Path) -> str:
+    """Set and return the hint for this library: forced, cached (per `machine`, the GEMM
+    planner's CPU, build and torch, and the thread count), or measured now."""
     hint = forced()
     if hint is None and lib.isa not in DOT_ISAS:
         return "l2"  # no dot-product GEMM in this build: nothing to choose
     if hint is None:
-        from tokenmill.kernels.isa import describe_cpu
-
-        key = f"{describe_cpu()}|{lib.isa}|{lib.source_hash}|{torch.get_num_threads()} threads"
-        table = _read(cache)
-        if key not in table:
-            table[key] = measure(lib)
-            _write(cache, key, table[key])
-            t = table[key]
+        key = f"{machine}|{torch.get_num_threads()} threads"
+        times = read_json(cache).get(key)
+        if not (isinstance(times, dict) and set(times) == set(HINTS)):
+            times = measure(lib)
+            write_json(cache, {key: times}, "the prefetch choice")
             logger.info("bf16 GEMM of up to 4 rows: prefetch into L2 %.2f ms, nta %.2f ms",
-                        t["l2"] * 1e3, t["nta"] * 1e3)
-        hint = "nta" if table[key]["nta"] * MARGIN < table[key]["l2"] else "l2"
+                        times["l2"] * 1e3, times["nta"] * 1e3)
+        hint = "nta" if times["nta"] * MARGIN < times["l2"] else "l2"
     lib.set_stream_prefetch(hint == "nta")
     return hint
-
-
-def _read(path: Path) -> dict[str, dict[str, float]]:
-    try:
-        table = json.loads(path.read_text())
-        return {k: v for k, v in table.items() if isinstance(v, dict) and set(v) == set(HINTS)}
-    except (OSError, ValueError, AttributeError):
-        return {}
-
-
-def _write(path: Path, key: str, times: dict[str, float]) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**_read(path), key: times}, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only home: measure again next time
-        logger.warning("cannot save the prefetch choice to %s (%s)", path, e)
