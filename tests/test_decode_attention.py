@@ -75,18 +75,20 @@ def test_decode_attention(kops, dtype, window, threads, block_size, seqs, head_d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("window", [None, 20, 300])
+@pytest.mark.parametrize("window", [None, 20, 300, 1100])
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("head_dim", [32, 64])
 def test_decode_attention_long_histories(kops, dtype, window, threads, head_dim):
-    """Histories of 100-711 positions over 45 blocks of 16 (rows and verify runs around 256 and
-    512, where split decoding would cut them; it was measured and not kept, see
-    docs/performance.md): every row bit for bit what it gives alone, and the reference's."""
+    """Histories of 100-2,300 positions over 150 blocks of 16, rows and verify runs on both sides
+    of the pieces' edges (1,024 and 2,048, attention_pieces.h): batched, each sequence attends
+    its pieces in turn in one task; alone, a piece a task, combined afterwards. Every row is
+    bit for bit what it gives alone, and the reference's."""
     torch.manual_seed(5)
-    cache = random_cache(48, 16, head_dim, dtype)
+    cache = random_cache(150, 16, head_dim, dtype)
     tables, lens = [], []
-    for start, n in [(253, 6), (256, 1), (257, 1), (511, 3), (600, 1), (100, 1), (700, 12)]:
-        tables += [torch.randperm(48)[:45]] * n
+    for start, n in [(253, 6), (511, 3), (100, 1), (1020, 8), (1024, 1), (1025, 1), (2046, 5),
+                     (2300, 1), (700, 12)]:
+        tables += [torch.randperm(150)[:146]] * n
         lens += range(start, start + n)
     check_rows(kops, cache, tables, lens, window, head_dim, dtype)
 

@@ -1,10 +1,12 @@
 // tokenmill CPU kernels: paged decode attention, one query token per sequence against its K/V
-// history read in place through the block table (no gather copy), on the vector layer.
+// history read in place through the block table (no gather copy), on the vector layer; a long
+// history in pieces (attention_pieces.h).
 #include <type_traits>
 
 #include "attention_common.h"
 #include "attention_lanes.h"
 #include "attention_paged.h"
+#include "attention_pieces.h"
 #include "tm.h"
 #include "vec.h"
 
@@ -13,26 +15,29 @@ namespace tm {
 constexpr int64_t kMaxQueries = 64;  // queries gathered for one call of the multi-query kernels
 
 // The query heads of `kv` adjacent KV heads (from KV head h) of `nrows` token rows of one
-// sequence at consecutive positions (rows `qstride` values apart in q and out; the last row
-// attends positions [.., L), each row before it one fewer) against its paged K/V history;
+// sequence at consecutive positions (rows `qstride` values apart in q; the last row attends
+// positions [.., L), each row before it one fewer) against the piece [p0, p1) of its paged K/V
+// history, into `sums` (attention_pieces.h, queries in order: row, KV head, its query heads);
 // `heads` query heads per KV head: its whole GQA group, or one head of it. The walk brings each
 // K and V block piece into L1 once for all of them, the `kv` heads side by side (one contiguous
 // slice of the cache row), and every query reads the cache rows there, widening as it loads
 // (a float32 scratch of the piece that the queries then read was 5-35% slower on AVX2, Zen 3,
 // in every shape measured, the same bits). A row's positions past its own (or before its
-// window) are scored with the others but weigh exactly 0 after its own softmax, so its output
-// is bit for bit what it gets attending alone (every score is reduced by the same tree: see
-// score()).
+// window) are scored with the others but weigh exactly 0 after its own exponentials, so its
+// sums are bit for bit what it gets attending alone (every score is reduced by the same tree:
+// see score()).
 template <typename T>
 void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const T* vc,
-                  const int64_t* table, int64_t window, int64_t L, int64_t BS, int64_t Hk,
-                  int64_t h, int64_t kv, int64_t D, int64_t heads, float scale, float* scores,
-                  float* qf, float* acc, T* out) {
+                  const int64_t* table, int64_t window, int64_t L, int64_t p0, int64_t p1,
+                  int64_t BS, int64_t Hk, int64_t h, int64_t kv, int64_t D, int64_t heads,
+                  float scale, float* scores, float* qf, const PieceSums& sums) {
   auto first = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; };
-  const int64_t start = first(L - nrows + 1), row = Hk * D, n = L - start, W = kv * D;
+  const int64_t start = std::max(p0, first(L - nrows + 1)), end = std::min(p1, L);
+  const int64_t row = Hk * D, n = end - start, W = kv * D;
   const int64_t nq = kv * heads, total = nrows * nq;
-  const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;  // padded scratch row
-  const Paged<T> keys{kc, table, L, BS, row, h * D, W}, values{vc, table, L, BS, row, h * D, W};
+  const int64_t Dp = sums.Dp;  // padded scratch row
+  float* acc = sums.acc(0);
+  const Paged<T> keys{kc, table, end, BS, row, h * D, W}, values{vc, table, end, BS, row, h * D, W};
   auto query = [&](int64_t g) { return q + g / nq * qstride + g % nq * D; };
   auto kv_col = [&](int64_t g) { return g % nq / heads * D; };  // g's KV head in the slice
 #ifdef TM_ISA_AVX512_BF16
@@ -82,17 +87,19 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
       if (count) score_queries(q8, count, k + c * D, row, rows, D, s8);
     }
   });
-  for (int64_t g = 0; g < total; ++g) {  // each row's own positions
-    const int64_t len = L - (nrows - 1 - g / nq), off = first(len) - start;
+  for (int64_t g = 0; g < total; ++g) {  // each row's own positions in the piece
+    const int64_t len = L - (nrows - 1 - g / nq);
+    const int64_t lo = std::max(first(len), start) - start, hi = std::min(len, end) - start;
     float* s = scores + g * n;
-    softmax(s + off, len - start - off);
-    std::fill(s, s + off, 0.f);
-    std::fill(s + (len - start), s + n, 0.f);
+    sums.l()[g] = hi > lo ? exp_shifted(s + lo, hi - lo, sums.m() + g) : 0.f;
+    if (hi <= lo) sums.m()[g] = -INFINITY;
+    std::fill(s, s + std::min(lo, n), 0.f);
+    std::fill(s + std::max<int64_t>(hi, 0), s + n, 0.f);
   }
   std::fill(acc, acc + total * Dp, 0.f);
 #ifdef TM_ISA_AVX512_BF16
   if constexpr (kDot)
-    if (D % 32 == 0) return value_sums_dot(values, start, scores, n, nrows, nq, heads, kv, D, acc, out, qstride);
+    if (D % 32 == 0) return value_sums_dot(values, start, scores, n, nrows, nq, heads, kv, D, acc);
 #endif
   walk(values, start, [&](int64_t at, int64_t rows, const T* v) {
     for (int64_t c = 0; c < kv; ++c) {  // the queries of KV head c, up to six at a time
@@ -113,38 +120,6 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
       flush();
     }
   });
-  for (int64_t g = 0; g < total; ++g) {
-    T* o = out + g / nq * qstride + g % nq * D;
-    for (int64_t i = 0; i < D; ++i) o[i] = from_f<T>(acc[g * Dp + i]);
-  }
-}
-
-// Rows of one sequence at consecutive positions: row b extends the run of row b - 1 when its
-// length is one more and its block table the same over its positions (a sequence verifying
-// drafted tokens, a batch-invariant prefill chunk). Runs are cut to at most `cap` rows and
-// into `pieces` parts where there are few, so that the threads have tasks.
-inline std::vector<std::pair<int64_t, int64_t>> row_runs(const int64_t* tables,
-                                                          const int64_t* lens, int64_t B,
-                                                          int64_t BS, int64_t max_blocks,
-                                                          int64_t cap, int64_t want) {
-  std::vector<std::pair<int64_t, int64_t>> runs;  // (first row, rows)
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t used = std::min(max_blocks, (lens[b] + BS - 1) / BS);
-    if (b > 0 && lens[b] == lens[b - 1] + 1 &&
-        std::equal(tables + b * max_blocks, tables + b * max_blocks + used,
-                   tables + (b - 1) * max_blocks))
-      ++runs.back().second;
-    else
-      runs.emplace_back(b, 1);
-  }
-  const int64_t pieces = std::max<int64_t>(1, (want + static_cast<int64_t>(runs.size()) - 1) /
-                                                  static_cast<int64_t>(runs.size()));
-  std::vector<std::pair<int64_t, int64_t>> units;
-  for (auto [b, n] : runs) {
-    const int64_t per = std::min(cap, (n + std::min(n, pieces) - 1) / std::min(n, pieces));
-    for (int64_t i = 0; i < n; i += per) units.emplace_back(b + i, std::min(per, n - i));
-  }
-  return units;
 }
 
 template <typename T>
@@ -169,48 +144,74 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
   // rows x GQA heads already fill the task, and the single-row units beside it keep their
   // wider tasks (one verifying sequence moved every sequence of the step to one KV head a
   // task before: +0.9 ms a 16-sequence step of 30 layers for one drafted token).
-  // Whole GQA groups as soon as there is a (unit, KV head) task per thread: a query-head task
-  // reads the same cache rows as its group's others, so splitting a group only pays
-  // where threads would idle (one sequence, 3 KV heads, 2 threads, AVX2: 30 layers at 2,048
-  // positions 261 -> 225 us a layer, bit for bit the same; 1 thread 435 -> 323). On VDPBF16PS
-  // a lone bf16 query scores the cache rows in place (score_dot: nothing widened to share):
-  // groups stay split below 4 tasks a thread there, as measured before (not re-measured).
-  // One KV head shared by many query heads (MLA's latent rows) keeps whole groups from a unit
-  // per thread. A step with little work stays on the calling thread.
-#ifdef TM_ISA_AVX512_BF16
-  constexpr int64_t per_thread = std::is_same_v<T, bf16> ? 4 : 1;
-#else
-  constexpr int64_t per_thread = 1;
-#endif
+  // Pieces (attention_pieces.h): while the (unit, KV head) tasks are fewer than 4 a thread, a
+  // unit's pieces go to tasks of their own (their sums combined by whichever task finishes its
+  // group's last piece); else a task attends its unit's pieces in turn.
+  // Whole GQA groups as soon as there is a (unit or piece, KV head) task per thread: a
+  // query-head task reads the same cache rows as its group's others, so splitting a group only
+  // pays where threads would idle. One bf16 sequence (9 / 3 heads, d 64, 30 layers, 2 threads,
+  // Zen 4): whole groups from 128 to 8,192 positions took 1.24-1.96x less time than groups split
+  // into query-head tasks (as bf16 kept them below 4 tasks a thread before the pieces).
+  // A step with little work stays on the calling thread.
+  auto first = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; };
+  std::vector<std::pair<int64_t, int64_t>> span(U);  // (first piece, pieces) of each unit
+  int64_t pieces = 0;
+  for (int64_t u = 0; u < U; ++u) {
+    const auto [b, n] = units[u];
+    const int64_t p = first(lens[b]) / kPiece;
+    span[u] = {p, std::max<int64_t>(1, (lens[b + n - 1] - 1) / kPiece - p + 1)};
+    pieces += span[u].second;
+  }
+  const bool split = U * Hk < 4 * threads && pieces > U;
+  const int64_t kv_tasks = split ? pieces * Hk : U * Hk;
+  const int64_t heads = kv_tasks >= threads || unit_rows > 1 ? group : 1;
   int64_t wide = 1;  // KV heads a task of a single-row unit
-  int64_t heads = U * Hk >= per_thread * threads || unit_rows > 1 ||
-                          (Hk == 1 && group >= 8 && U >= threads) ? group : 1;
   if (U >= 4 * threads)
     for (int64_t k = Hk; k > 1; --k)
       if (Hk % k == 0 && k * D <= kMaxHeadDim) { wide = k; break; }
+  const int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
   struct Task {
-    int64_t unit, hq, kv;
+    int64_t unit, hq, kv, piece, group;  // group -1: all the unit's pieces, else its split group
   };
   std::vector<Task> tasks;
-  int64_t most = 1;  // queries of the largest task
+  std::vector<int64_t> at;  // each split group's sums in `shared`
+  int64_t most = 1, size = 0;  // queries of the largest task; floats of the split sums
   for (int64_t u = 0; u < U; ++u) {
-    const int64_t kv = units[u].second == 1 ? wide : 1;
-    most = std::max(most, heads * kv * units[u].second);
-    for (int64_t hq = 0; hq < Hq; hq += heads * kv) tasks.push_back({u, hq, kv});
+    const int64_t kv = units[u].second == 1 ? wide : 1, queries = heads * kv * units[u].second;
+    most = std::max(most, queries);
+    for (int64_t hq = 0; hq < Hq; hq += heads * kv) {
+      if (!split || span[u].second == 1) { tasks.push_back({u, hq, kv, 0, -1}); continue; }
+      for (int64_t p = 0; p < span[u].second; ++p)
+        tasks.push_back({u, hq, kv, p, static_cast<int64_t>(at.size())});
+      at.push_back(size);
+      size += span[u].second * PieceSums::size(queries, Dp);
+    }
   }
-  int64_t Dp = (D + kLanes - 1) / kLanes * kLanes;
-  int64_t work = std::max<int64_t>(1, total / B * D * most / 8);
+  std::vector<float> shared(size);
+  std::vector<std::atomic<int64_t>> left(at.size());  // pieces still to attend
+  for (const Task& t : tasks)
+    if (t.group >= 0 && t.piece == 0) left[t.group].store(span[t.unit].second);
+  const int64_t work = std::max<int64_t>(1, std::min(total / B, kPiece) * D * most / 8);
   // tasks differ in work (sequences of different lengths): handed out as threads come free
   parallel_dynamic(static_cast<int64_t>(tasks.size()), [&](int64_t j) {
-    const auto [u, hq, kv] = tasks[j];
-    const auto [b, n] = units[u];
-    const int64_t queries = heads * kv * n, last = b + n - 1;
-    thread_local std::vector<float> scores, qf, acc;
-    scores.resize(longest * queries);
-    qf.resize(queries * Dp), acc.resize(queries * Dp);
-    attend_group(q + (b * Hq + hq) * D, Hq * D, n, kc, vc, tables + last * max_blocks, window,
-                 lens[last], BS, Hk, hq / group, kv, D, heads, scale, scores.data(),
-                 qf.data(), acc.data(), out + (b * Hq + hq) * D);
+    const Task t = tasks[j];
+    const auto [b, n] = units[t.unit];
+    const auto [p0, count] = span[t.unit];
+    const int64_t queries = heads * t.kv * n, last = b + n - 1, nq = heads * t.kv;
+    const int64_t block = PieceSums::size(queries, Dp);
+    thread_local std::vector<float> scores, qf, own;
+    scores.resize(std::min(longest, kPiece) * queries), qf.resize(queries * Dp);
+    if (t.group < 0) own.resize(count * block);
+    float* sums = t.group < 0 ? own.data() : shared.data() + at[t.group];
+    for (int64_t p = t.group < 0 ? 0 : t.piece; p < (t.group < 0 ? count : t.piece + 1); ++p)
+      attend_group(q + (b * Hq + t.hq) * D, Hq * D, n, kc, vc, tables + last * max_blocks,
+                   window, lens[last], (p0 + p) * kPiece, (p0 + p + 1) * kPiece, BS, Hk,
+                   t.hq / group, t.kv, D, heads, scale, scores.data(), qf.data(),
+                   PieceSums{sums + p * block, queries, Dp});
+    if (t.group >= 0 && left[t.group].fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+    for (int64_t g = 0; g < queries; ++g)
+      combine(sums, block, count, queries, Dp, g, D,
+              out + (b * Hq + t.hq) * D + g / nq * Hq * D + g % nq * D);
   }, std::max<int64_t>(1, (1 << 14) / work));
 }
 

@@ -29,16 +29,6 @@ inline float exp_shifted(float* s, int64_t n, float* mx_out) {
   return total;
 }
 
-// softmax in place over n scores
-inline void softmax(float* s, int64_t n) {
-  float mx;
-  const float total = exp_shifted(s, n, &mx);
-  vec inv = vset1(1.0f / total);
-  int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) vstore(s + i, vmul(vload(s + i), inv));
-  for (; i < n; ++i) s[i] /= total;
-}
-
 // sc_g[j] = qf_g . k[j] for Q queries g of the same `rows` key rows (stride `stride`): each key
 // vector is loaded (widened) once for all of them, R rows at a time (R x Q independent FMA
 // chains; loading it once per query was two thirds of the work for bf16 keys on AVX2). Every

@@ -98,10 +98,10 @@ inline void score_dot(const bf16* q, const bf16* k, int64_t stride, int64_t rows
 }
 
 // The value sum of attend_group on bf16 pairs (attention_pairs.h), each KV head's queries four
-// at a time; acc zeroed, columns in pair order until written to out
+// at a time; acc zeroed, columns in pair order until put back in order at the end
 inline void value_sums_dot(const Paged<bf16>& values, int64_t start, const float* scores,
                            int64_t n, int64_t nrows, int64_t nq, int64_t heads, int64_t kv,
-                           int64_t D, float* acc, bf16* out, int64_t qstride) {
+                           int64_t D, float* acc) {
   constexpr int64_t P = kRows;  // pairs per chunk and query: kRows + 1 positions at most
   const int64_t total = nrows * nq, Dp = (D + kLanes - 1) / kLanes * kLanes;
   thread_local std::vector<uint32_t> pp;
@@ -134,8 +134,7 @@ inline void value_sums_dot(const Paged<bf16>& values, int64_t start, const float
   o.resize(D);
   for (int64_t g = 0; g < total; ++g) {
     unpermute(acc + g * Dp, D, o.data());
-    bf16* dst = out + g / nq * qstride + g % nq * D;
-    for (int64_t i = 0; i < D; ++i) dst[i] = from_f<bf16>(o[i]);
+    std::copy(o.begin(), o.end(), acc + g * Dp);
   }
 }
 #endif
