@@ -8,9 +8,12 @@ GB/s and its share of the bandwidth limit, and its prefill's share of the FLOP l
 prompt's FLOPs: its matmuls and its causal attention's two products; also the matmuls
 alone). The table's shares are against the best limit any round measured (conservative on a
 host whose speed drifts); tokenmill's prefill is also given against each round's own limit,
-measured just before its prompts. Prints a table and ends with one JSON line.
+measured just before its prompts. --depth N decodes after an N-token context instead of 128
+(long-context decode: attention reads the whole history each token; llama-bench -d N).
+Prints a table and ends with one JSON line.
 
     python benchmarks/compare_llamacpp.py [--model NAME] [--file] [--rounds 3] [--threads 2]
+                                          [--depth 128]
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ def llama_bench(gguf: Path, threads: int, prompt: int, gen: int, depth: int = 12
     return {**result, "notes": notes} if notes else result
 
 
-def tokenmill_bench(llm, prompt: int, gen: int, rng: random.Random) -> dict:
+def tokenmill_bench(llm, prompt: int, gen: int, rng: random.Random, depth: int = 128) -> dict:
     from tokenmill import SamplingParams
 
     vocab = llm.engine.model_config.vocab_size
@@ -69,7 +72,7 @@ def tokenmill_bench(llm, prompt: int, gen: int, rng: random.Random) -> dict:
     llm.generate(ids(prompt), SamplingParams(max_tokens=1), use_tqdm=False)
     pre = [llm.generate(ids(prompt), SamplingParams(max_tokens=1), use_tqdm=False)[0]
            for _ in range(3)]
-    dec = llm.generate(ids(128), SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True),
+    dec = llm.generate(ids(depth), SamplingParams(temperature=0, max_tokens=gen, ignore_eos=True),
                        use_tqdm=False)[0]
     return {"prefill_tok_s": statistics.mean(prompt / o.metrics.time_to_first_token for o in pre),
             "decode_tok_s": 1.0 / dec.metrics.mean_inter_token_latency}
@@ -82,6 +85,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--depth", type=int, default=128, help="context before the decoded tokens")
     ap.add_argument("--file", action="store_true",
                     help="run the model file as it is (tokenmill dtype auto) instead of BF16")
     args = ap.parse_args()
@@ -99,23 +103,29 @@ def main() -> None:
         gguf, weights_kind = bf16_gguf(args.model), "BF16"
     llm = LLM(str(gguf), dtype="auto" if args.file else "bfloat16", max_num_seqs=1,
               enable_prefix_caching=False,
-              max_model_len=args.prompt + args.gen + 256, num_threads=args.threads)
+              max_model_len=max(args.prompt, args.depth) + args.gen + 64,
+              num_threads=args.threads)
     rng = random.Random(0)
     tokenmill_bench(llm, 64, 8, rng)  # warm-up
     runs = {"tokenmill": [], "llama.cpp": []}
     limits = []
     for _ in range(args.rounds):  # the limits just before tokenmill's prompts (see below)
-        runs["llama.cpp"].append(llama_bench(gguf, args.threads, args.prompt, args.gen))
+        runs["llama.cpp"].append(llama_bench(gguf, args.threads, args.prompt, args.gen,
+                                             args.depth))
         limits.append(hw_limits.measure())
-        runs["tokenmill"].append(tokenmill_bench(llm, args.prompt, args.gen, rng))
+        runs["tokenmill"].append(tokenmill_bench(llm, args.prompt, args.gen, rng, args.depth))
     # each limit the best any round measured ("cpu" as it is): the share of it is conservative
     lim = {k: (max(r[k] for r in limits) if isinstance(v, float) else v)
            for k, v in limits[0].items()}
-    weights = weight_bytes_per_token(llm.engine.runner.model)
+    cfg = llm.engine.model_config
+    # a decoded token reads the weights and, on average, depth + gen / 2 positions of 16-bit K
+    # and V (tokenmill's bf16 cache, llama.cpp's f16)
+    kv_bytes = (2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2
+                * (args.depth + args.gen // 2))
+    weights = weight_bytes_per_token(llm.engine.runner.model) + kv_bytes
     matmul_params = sum(p.numel() for n, p in llm.engine.runner.model.named_parameters()
                         if "proj" in n)
     decode_limit = hw_limits.decode_limit_tok_s(lim, weights)
-    cfg = llm.engine.model_config
     shape = (cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim)
     # the share of the FLOP limit counts the prompt's attention products too (4% of its FLOPs
     # at 256 tokens, 8% at 512 for this model); matmuls_pct: the layers' matmuls alone
@@ -138,7 +148,8 @@ def main() -> None:
         table[name] = row
     ratios = {k: table["tokenmill"][k] / table["llama.cpp"][k]
               for k in ("decode_tok_s", "prefill_tok_s")}
-    print(f"{args.model} {weights_kind} weights, {args.threads} threads, median of "
+    print(f"{args.model} {weights_kind} weights, {args.threads} threads, decode after "
+          f"{args.depth} tokens, median of "
           f"{args.rounds} alternating rounds; read bandwidth {lim['read_gb_s']:.1f} GB/s, "
           f"fp32 matmul {lim['fp32_gflop_s']:.0f} GFLOP/s")
     print(f"limits: decode {decode_limit:.1f} tok/s ({weights / 2**20:.0f} MiB/token), "
@@ -156,7 +167,7 @@ def main() -> None:
                       for p, li in zip(round_pct, limits))
           + f"; median {statistics.median(round_pct):.0f}%")
     print(json.dumps({"benchmark": "compare_llamacpp", "model": args.model,
-                      "weights": weights_kind, "limits": lim,
+                      "weights": weights_kind, "depth": args.depth, "limits": lim,
                       "decode_limit_tok_s": decode_limit, "prefill_limit_tok_s": prefill_limit,
                       "prefill_matmuls_limit_tok_s": matmul_limit,
                       "results": table, "ratios": ratios, "rounds": runs,
