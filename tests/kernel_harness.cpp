@@ -133,7 +133,7 @@ int main(int argc, char** argv) {
                               reinterpret_cast<const int64_t*>(tables.data()), I(7),
                               reinterpret_cast<const int64_t*>(lens.data()),
                               int4 ? reinterpret_cast<const int64_t*>(stages.data()) : nullptr,
-                              B, Hq, D, I(8), static_cast<float>(p[9]), 0, out.data());
+                              B, Hq, D, I(8), static_cast<float>(p[9]), out.data());
     save(dir + "out.bin", out.data(), out.size() * 4);
   } else {
     std::fprintf(stderr, "unknown kernel %s\n", kernel.c_str());

@@ -78,8 +78,8 @@ def decode_context(cache, tables, lens):
 def test_decode_attention_on_quantized_pages(kops, fmt, window, threads, seqs):
     """The kernel reading int8 / fp8 / int4 pages in place (int4: each row's own block from
     the stage, the output rotated back; integer dot products, INTEGER_TOL) against the plain
-    path: gather, dequantize, SDPA. One sequence of 1,000 positions is split between tasks
-    (partial softmax sums combined); nine take every KV head per task."""
+    path: gather, dequantize, SDPA. One sequence of 1,000 positions: a task per KV head;
+    nine take every KV head per task. (Histories of several pieces: the test below.)"""
     from tokenmill.layers.attention import PagedAttention
     from tokenmill.layers.kv_cache import KVCache
 
@@ -98,6 +98,35 @@ def test_decode_attention_on_quantized_pages(kops, fmt, window, threads, seqs):
     fast = attn._decode(q, ctx)
     attn.ops = ops.TorchOps()
     close_integer(fast, attn._decode(q, ctx))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("window", [None, 1100])
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_quantized_decode_rows_do_not_depend_on_the_batch(kops, fmt, window, threads):
+    """A row of 300-2,300 positions gives bit for bit the same output alone (its history's
+    pieces a task each) as batched with eight others (each sequence's KV heads a task), so
+    drafts verified on a quantized cache match decode exactly at any length
+    (attention_pieces.h: pieces at fixed positions, combined in order)."""
+    from tokenmill.layers.kv_cache import KVCache
+
+    torch.manual_seed(6)
+    d, block_size, blocks = 64, 16, 150
+    cache = KVCache(1, blocks, block_size, 3, d, fmt, torch.device("cpu"), stage_slots=blocks)
+    slots = torch.arange(blocks * block_size)
+    cache.store(0, torch.randn(len(slots), 3, d) * 2, torch.randn(len(slots), 3, d), slots,
+                slots)
+    tables = torch.stack([torch.randperm(blocks)[:146] for _ in range(9)])
+    lens = torch.tensor([300, 1023, 1024, 1025, 2048, 2049, 2300, 700, 1500])
+    stages = tables[torch.arange(9), (lens - 1) // block_size] if cache.staged else None
+    q = torch.randn(9, 9, d)
+    lib = kops.lib
+    batched = lib.decode_attention_quant(q, cache, 0, tables, lens, stages, window, d ** -0.5)
+    for b in range(9):
+        alone = lib.decode_attention_quant(q[b:b + 1], cache, 0, tables[b:b + 1], lens[b:b + 1],
+                                           None if stages is None else stages[b:b + 1], window,
+                                           d ** -0.5)
+        assert torch.equal(batched[b:b + 1], alone), b
 
 
 def test_every_fp8_code_is_read_exactly(kops):

@@ -60,10 +60,10 @@ class KVPageCalls:
     """Mixed into kernels.lib.KernelLib, which provides _lib and _sync_threads."""
 
     def decode_attention_quant(self, q, cache, layer: int, block_tables, seq_lens, stages,
-                               window, scale, invariant: bool = False):
+                               window, scale):
         """decode_attention on one layer of a quantized cache; float32 in and out (int4: the
         output in V's rotated basis). stages: an int4 cache's stage slot of each row's own
-        block. invariant: each row's sums as when alone (no split of its positions)."""
+        block. A row's output does not depend on the batch (attention_pieces.h)."""
         _check(q.dim() == 3 and q.shape[1] % cache.k[0].shape[3] == 0
                and (stages is not None or not cache.staged), "decode_attention_quant: bad call")
         q = q.float().contiguous()
@@ -76,7 +76,7 @@ class KVPageCalls:
                                             cache.block_size, cache.k[0].shape[3],
                                             tables.data_ptr(), tables.shape[1], lens.data_ptr(),
                                             _ptr(stages), b, h, d, window or 0, scale,
-                                            int(invariant), out.data_ptr())
+                                            out.data_ptr())
         return out
 
     def prefill_attention_quant(self, q, cache, layer: int, block_table, stage_table,

@@ -19,7 +19,7 @@ from tokenmill.kernels.weight_arena import ARENA
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 17
+ABI_VERSION = 18
 _P, _I = c_void_p, c_int64
 
 
@@ -84,7 +84,7 @@ _SIGNATURES = {
     "tm_prefill_attention": (None, [c_int, _P, _I, _I, _I, _P, _P, _I, _I, _P, _I, _I, c_float,
                                     _P]),
     "tm_decode_attention_quant": (None, [_P, POINTER(KVPages), POINTER(KVPages), _I, _I, _P, _I,
-                                         _P, _P, _I, _I, _I, _I, c_float, c_int, _P]),
+                                         _P, _P, _I, _I, _I, _I, c_float, _P]),
     "tm_prefill_attention_quant": (None, [c_int, _P, _I, _I, _I, POINTER(KVPages),
                                           POINTER(KVPages), _I, _I, _P, _P, _I, _I, c_float,
                                           _P]),

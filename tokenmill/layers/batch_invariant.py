@@ -14,8 +14,9 @@ Everything else (norms, RoPE, activations, sampling with a seeded request's own 
 row by row already. So temperature 0 and seeded sampling give identical tokens and logprobs
 alone, batched, chunked, prefix-cached or not.
 
-A quantized cache (int8, fp8, int4) is read the same way: its decode kernel never splits a
-row's positions between tasks here, and each prefill row attends as that decode step would.
+A quantized cache (int8, fp8, int4) is read the same way: its decode kernel, like the float
+one, cuts a history into pieces at fixed positions in every mode (kernels/csrc/
+attention_pieces.h), and each prefill row attends as that decode step would.
 
 What it costs: prefill runs GEMMs one row at a time (still reading each weight panel from
 cache) and attention without tiling; decode is unchanged. docs/performance.md has the numbers.
@@ -81,7 +82,7 @@ class BatchInvariantOps(KernelOps):
             raise RuntimeError(f"batch-invariant mode has no kernel for a {cache.format.name} "
                                f"cache of head_dim {cache.head_dim}")
         return self.lib.decode_attention_quant(q, cache, layer, block_tables, seq_lens, stages,
-                                               window, scale, invariant=True)
+                                               window, scale)
 
     def prefill_attention_quant(self, q, cache, layer, block_table, stage_table, num_computed,
                                 window, scale):

@@ -2,13 +2,14 @@
 // pages read in place, so a step reads the cache's quantized bytes, never a float copy: rows are
 // dequantized a few at a time into an L1 scratch that every query head of the KV head reads.
 // Tasks hold all KV heads of a sequence when there are many sequences (one contiguous run per
-// cache row), else one KV head; when even those are fewer than 4 per thread, each sequence's
-// positions are split between tasks (partial softmax sums, combined at the end).
+// cache row), else one KV head, and one piece of its history (attention_pieces.h: absolute
+// positions, so a row's sums do not depend on the batch); their sums are combined at the end.
 //
 // int8 and int4 keys are scored with integer dot products (scores_int.h), int8 and int4 values
 // summed with them on x86 (values_int.h); fp8, and head sizes those do not take, widen the rows
 // to float. A query's own int4 block comes from the stage, in float.
 #include "attention_common.h"
+#include "attention_pieces.h"
 #include "kv_pages.h"
 #include "scores_int.h"
 #include "tm.h"
@@ -149,60 +150,48 @@ extern "C" void tm_decode_attention_quant(const float* q, const tm_kv_pages* k,
                                           int64_t max_blocks, const int64_t* seq_lens,
                                           const int64_t* stages, int64_t batch, int64_t heads,
                                           int64_t head_dim, int64_t window, float scale,
-                                          int invariant, float* out) {
+                                          float* out) {
   const int64_t group = heads / kv_heads, D = head_dim, Dp = (D + kLanes - 1) / kLanes * kLanes;
   const QuantPages K(*k, kv_heads, D, block_size), V(*v, kv_heads, D, block_size);
-  const int64_t threads = g_threads;
+  const int64_t threads = g_threads, P = kPiece;
   int64_t longest = 0, total = 0;
   for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, seq_lens[b]), total += seq_lens[b];
-  const int64_t nh = batch >= 4 * threads ? kv_heads : 1, units = batch * (kv_heads / nh);
-  int64_t splits = 1;  // positions split until there are 4 tasks per thread (>= 256 each)
-  while (!invariant && units * splits < 4 * threads && longest / (2 * splits) >= 256) splits *= 2;
+  const int64_t nh = batch >= 4 * threads ? kv_heads : 1;
   std::vector<Part> parts;
+  std::vector<std::pair<int64_t, int64_t>> groups;  // (first part, parts) of a task's KV heads
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t L = seq_lens[b], start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
-    for (int64_t h0 = 0; h0 < kv_heads; h0 += nh)
-      for (int64_t s = 0; s < splits; ++s)
-        parts.push_back({b, h0, nh, start + (L - start) * s / splits,
-                         start + (L - start) * (s + 1) / splits, (L - 1) / block_size,
-                         stages ? stages[b] : -1});
+    for (int64_t h0 = 0; h0 < kv_heads; h0 += nh) {
+      groups.emplace_back(static_cast<int64_t>(parts.size()), 0);
+      for (int64_t p = start / P; p == start / P || p * P < L; ++p, ++groups.back().second)
+        parts.push_back({b, h0, nh, std::max(start, p * P), std::min(L, (p + 1) * P),
+                         (L - 1) / block_size, stages ? stages[b] : -1});
+    }
   }
   auto attend = K.fmt == TM_KV_INT8  ? attend_part<TM_KV_INT8>
                 : K.fmt == TM_KV_FP8 ? attend_part<TM_KV_FP8>
                                      : attend_part<TM_KV_INT4>;
   const int64_t per = nh * group, tasks = static_cast<int64_t>(parts.size());
-  std::vector<float> m(tasks * per), l(tasks * per), acc(tasks * per * Dp);
-  const int64_t work = std::max<int64_t>(1, total / batch / splits * D * per / 8);
+  const int64_t block = PieceSums::size(per, Dp);
+  std::vector<float> sums(tasks * block);
+  const int64_t work = std::max<int64_t>(1, std::min(total / batch, P) * D * per / 8);
   // parts differ in work (sequences of different lengths): handed out as threads come free
   parallel_dynamic(tasks, [&](int64_t t) {
     thread_local std::vector<float> scores, buf, qf;
-    scores.resize(((longest + splits - 1) / splits + 1) * per), buf.resize(kRows * Dp);
+    scores.resize((std::min(longest, P) + 1) * per), buf.resize(kRows * Dp);
     qf.assign(per * Dp, 0.f);
     const Part& p = parts[t];
     const float* qb = q + (p.b * heads + p.h0 * group) * D;
     for (int64_t g = 0; g < per; ++g)
       for (int64_t i = 0; i < D; ++i) qf[g * Dp + i] = qb[g * D + i] * scale;
+    const PieceSums s{sums.data() + t * block, per, Dp};
     attend(qf.data(), K, V, block_tables + p.b * max_blocks, p, block_size, group,
-           scores.data(), buf.data(), acc.data() + t * per * Dp, m.data() + t * per,
-           l.data() + t * per);
+           scores.data(), buf.data(), s.acc(0), s.m(), s.l());
   }, std::max<int64_t>(1, (1 << 14) / work));
-  // combine each query head's splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
-  for (int64_t t = 0; t < tasks; t += splits) {
-    const Part& p = parts[t];
-    for (int64_t g = 0; g < per; ++g) {
-      float M = -INFINITY, denom = 0.f;
-      for (int64_t s = 0; s < splits; ++s)
-        if (parts[t + s].p1 > parts[t + s].p0) M = std::max(M, m[(t + s) * per + g]);
-      float* o = out + (p.b * heads + p.h0 * group + g) * D;
-      std::fill(o, o + D, 0.f);
-      for (int64_t s = 0; s < splits; ++s) {
-        if (parts[t + s].p1 <= parts[t + s].p0) continue;
-        const float w = std::exp(m[(t + s) * per + g] - M);
-        denom += w * l[(t + s) * per + g];
-        const float* a = acc.data() + ((t + s) * per + g) * Dp;
-        for (int64_t i = 0; i < D; ++i) o[i] += w * a[i];
-      }
-      for (int64_t i = 0; i < D; ++i) o[i] /= denom;
-    }
+  for (auto [first, count] : groups) {  // each query head's pieces, in position order
+    const Part& p = parts[first];
+    for (int64_t g = 0; g < per; ++g)
+      combine(sums.data() + first * block, block, count, per, Dp, g, D,
+              out + (p.b * heads + p.h0 * group + g) * D);
   }
 }

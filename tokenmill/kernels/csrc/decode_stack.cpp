@@ -44,7 +44,7 @@ void quant_kv_layer(const tm_decoder& m, int64_t l, const T* q, const T* k, cons
   tm_kv_store(vp.format, vf, B, Hk, D, m.v_rotation, pool.slots, nullptr, BS, &vp);
   for (int64_t i = 0; i < B * Hq * D; ++i) qf[i] = to_f(q[i]);
   tm_decode_attention_quant(qf, &kp, &vp, BS, Hk, pool.tables, pool.max_blocks, pool.lens,
-                            pool.stages, B, Hq, D, window, m.scale, 0, of);
+                            pool.stages, B, Hq, D, window, m.scale, of);
   if (m.v_rotation) rotate_rows(of, B * Hq, D, m.v_rotation, true);
   for (int64_t i = 0; i < B * Hq * D; ++i) attn[i] = from_f<T>(of[i]);
 }

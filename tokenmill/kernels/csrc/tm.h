@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 17
+#define TM_ABI_VERSION 18
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -207,7 +207,7 @@ TM_API void tm_decode_attention_quant(const float* q, const tm_kv_pages* k, cons
                                       const int64_t* block_tables, int64_t max_blocks,
                                       const int64_t* seq_lens, const int64_t* stages,
                                       int64_t batch, int64_t heads, int64_t head_dim,
-                                      int64_t window, float scale, int invariant, float* out);
+                                      int64_t window, float scale, float* out);
 /* every decoder layer of a step: x (batch, hidden) holds the embeddings and receives the
  * final norm's output; caches (layers, blocks, block_size, kv_heads, head_dim). Without chunks
  * every row is a decode row; else rows [0, chunk_starts[0]) are decode rows and chunk c (of an
