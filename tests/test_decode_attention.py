@@ -81,16 +81,22 @@ def test_decode_attention(kops, dtype, window, threads, block_size, seqs, head_d
 def test_decode_attention_long_histories(kops, dtype, window, threads, head_dim):
     """Histories of 100-2,300 positions over 150 blocks of 16, rows and verify runs on both sides
     of the pieces' edges (1,024 and 2,048, attention_pieces.h): batched, each sequence attends
-    its pieces in turn in one task; alone, a piece a task, combined afterwards. Every row is
-    bit for bit what it gives alone, and the reference's."""
+    its pieces in turn in one task; alone (a row, or a verify run kept whole), a piece a task,
+    combined afterwards. Every row is bit for bit what it gives alone, and the reference's."""
     torch.manual_seed(5)
     cache = random_cache(150, 16, head_dim, dtype)
     tables, lens = [], []
-    for start, n in [(253, 6), (511, 3), (100, 1), (1020, 8), (1024, 1), (1025, 1), (2046, 5),
-                     (2300, 1), (700, 12)]:
+    runs = [(253, 6), (511, 3), (100, 1), (1020, 8), (1024, 1), (1025, 1), (2046, 5),
+            (2300, 1), (700, 12)]
+    for start, n in runs:
         tables += [torch.randperm(150)[:146]] * n
         lens += range(start, start + n)
     check_rows(kops, cache, tables, lens, window, head_dim, dtype)
+    at = 0
+    for start, n in runs:  # a verify run alone: one unit (not cut for the threads), its pieces
+        if n > 1 and start + n - 1 > 1024:
+            check_rows(kops, cache, tables[at:at + n], lens[at:at + n], window, head_dim, dtype)
+        at += n
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
