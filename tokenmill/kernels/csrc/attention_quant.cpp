@@ -34,13 +34,15 @@ void attend_part(const float* qf, const QuantPages& K, const QuantPages& V, cons
   const int64_t nq = t.nh * group;
   auto slot = [&](int64_t p) { return table[p / BS] * BS + p % BS; };
   auto take = [&](int64_t p) { return std::min({kRows, t.p1 - p, BS - p % BS}); };
-  // chunks of rows inside one block, the next prefetched into L1 and the one after into L2
+  // chunks of rows inside one block, the one after next prefetched into L2 and the next into
+  // L1 where the task reads whole rows (one KV head of three: 1.07x without it, int8 and int4,
+  // one sequence at 2,048-8,192 positions on a Zen 4; batches of whole rows unchanged)
   auto walk = [&](const QuantPages& c, auto fn) {
     for (int64_t p = t.p0, rows; p < t.p1; p += rows) {
       rows = take(p);
       if (p + rows < t.p1) {
         const int64_t r1 = take(p + rows);
-        c.prefetch(slot(p + rows), r1, t.h0, t.nh, true);
+        if (t.nh == c.Hk) c.prefetch(slot(p + rows), r1, t.h0, t.nh, true);
         if (p + rows + r1 < t.p1) c.prefetch(slot(p + rows + r1), take(p + rows + r1), t.h0, t.nh, false);
       }
       fn(p, rows, slot(p));
