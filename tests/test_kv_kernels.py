@@ -60,6 +60,18 @@ def test_kv_store_matches_the_encoder(kops, fmt, stage_dtype):
         assert ((ours - theirs).norm() / theirs.norm()).item() < 0.01
 
 
+def filled_cache(fmt: str, blocks: int, block_size: int, d: int):
+    """One layer of 3 KV heads in `fmt`, every slot stored (keys twice the values' scale),
+    each block its own stage slot."""
+    from tokenmill.layers.kv_cache import KVCache
+
+    cache = KVCache(1, blocks, block_size, 3, d, fmt, torch.device("cpu"), stage_slots=blocks)
+    slots = torch.arange(blocks * block_size)
+    cache.store(0, torch.randn(len(slots), 3, d) * 2, torch.randn(len(slots), 3, d), slots,
+                slots)
+    return cache
+
+
 def decode_context(cache, tables, lens):
     """A decode step's context over a paged_history-style cache (stage slot i = block i)."""
     from tokenmill.layers.attention import AttentionContext
@@ -81,14 +93,10 @@ def test_decode_attention_on_quantized_pages(kops, fmt, window, threads, seqs):
     path: gather, dequantize, SDPA. One sequence of 1,000 positions: a task per KV head;
     nine take every KV head per task. (Histories of several pieces: the test below.)"""
     from tokenmill.layers.attention import PagedAttention
-    from tokenmill.layers.kv_cache import KVCache
 
     torch.manual_seed(5)
     d, block_size, blocks = 64, 16, 64
-    cache = KVCache(1, blocks, block_size, 3, d, fmt, torch.device("cpu"), stage_slots=blocks)
-    slots = torch.arange(blocks * block_size)
-    cache.store(0, torch.randn(len(slots), 3, d) * 2, torch.randn(len(slots), 3, d), slots,
-                slots)
+    cache = filled_cache(fmt, blocks, block_size, d)
     tables = torch.stack([torch.randperm(blocks)[:63] for _ in range(seqs)])
     lens = torch.randint(1, 63 * block_size + 1, (seqs,)) if seqs > 1 else torch.tensor([1000])
     q = torch.randn(seqs, 9, d)
@@ -108,14 +116,9 @@ def test_quantized_decode_rows_do_not_depend_on_the_batch(kops, fmt, window, thr
     pieces a task each) as batched with eight others (each sequence's KV heads a task), so
     drafts verified on a quantized cache match decode exactly at any length
     (attention_pieces.h: pieces at fixed positions, combined in order)."""
-    from tokenmill.layers.kv_cache import KVCache
-
     torch.manual_seed(6)
     d, block_size, blocks = 64, 16, 150
-    cache = KVCache(1, blocks, block_size, 3, d, fmt, torch.device("cpu"), stage_slots=blocks)
-    slots = torch.arange(blocks * block_size)
-    cache.store(0, torch.randn(len(slots), 3, d) * 2, torch.randn(len(slots), 3, d), slots,
-                slots)
+    cache = filled_cache(fmt, blocks, block_size, d)
     tables = torch.stack([torch.randperm(blocks)[:146] for _ in range(9)])
     lens = torch.tensor([300, 1023, 1024, 1025, 2048, 2049, 2300, 700, 1500])
     stages = tables[torch.arange(9), (lens - 1) // block_size] if cache.staged else None
