@@ -31,7 +31,7 @@ void attend_group(const T* q, int64_t qstride, int64_t nrows, const T* kc, const
                   const int64_t* table, int64_t window, int64_t L, int64_t p0, int64_t p1,
                   int64_t BS, int64_t Hk, int64_t h, int64_t kv, int64_t D, int64_t heads,
                   float scale, float* scores, float* qf, const PieceSums& sums) {
-  auto first = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; };
+  auto first = [&](int64_t len) { return window_start(len, window); };
   const int64_t start = std::max(p0, first(L - nrows + 1)), end = std::min(p1, L);
   const int64_t row = Hk * D, n = end - start, W = kv * D;
   const int64_t nq = kv * heads, total = nrows * nq;
@@ -156,7 +156,7 @@ void decode_attention_impl(const T* q, const T* kc, const T* vc, const int64_t* 
   // Zen 4): whole groups from 128 to 8,192 positions took 1.24-1.96x less time than groups split
   // into query-head tasks (as bf16 kept them below 4 tasks a thread before the pieces).
   // A step with little work stays on the calling thread.
-  auto first = [&](int64_t len) { return window > 0 ? std::max<int64_t>(0, len - window) : 0; };
+  auto first = [&](int64_t len) { return window_start(len, window); };
   std::vector<std::pair<int64_t, int64_t>> span(U);  // (first piece, pieces) of each unit
   int64_t pieces = 0;
   for (int64_t u = 0; u < U; ++u) {

@@ -22,6 +22,11 @@ namespace tm {
 
 constexpr int64_t kPiece = 1024;
 
+// The first position a decode row of `len` positions attends (window 0: no window)
+inline int64_t window_start(int64_t len, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, len - window) : 0;
+}
+
 // Rows of one sequence at consecutive positions: row b extends the run of row b - 1 when its
 // length is one more and its block table the same over its positions (a sequence verifying
 // drafted tokens, a batch-invariant prefill chunk). Runs are cut to at most `cap` rows and
@@ -69,19 +74,18 @@ template <typename T>
 void combine(const float* first, int64_t stride, int64_t count, int64_t Q, int64_t Dp,
              int64_t g, int64_t D, T* out) {
   float M = -INFINITY, denom = 0.f;
-  for (int64_t p = 0; p < count; ++p) {
-    const PieceSums s{const_cast<float*>(first) + p * stride, Q, Dp};
-    if (s.l()[g] > 0.f) M = std::max(M, s.m()[g]);
-  }
+  auto m = [&](int64_t p) { return first[p * stride + g]; };  // PieceSums' layout
+  auto l = [&](int64_t p) { return first[p * stride + Q + g]; };
+  for (int64_t p = 0; p < count; ++p)
+    if (l(p) > 0.f) M = std::max(M, m(p));
   alignas(64) float o[1024];  // Dp <= MAX_LATENT_DIM (lib.py)
   std::fill(o, o + Dp, 0.f);
   for (int64_t p = 0; p < count; ++p) {
-    const PieceSums s{const_cast<float*>(first) + p * stride, Q, Dp};
-    if (!(s.l()[g] > 0.f)) continue;
-    const float w = std::exp(s.m()[g] - M);
-    denom += w * s.l()[g];
+    if (!(l(p) > 0.f)) continue;
+    const float w = std::exp(m(p) - M);
+    denom += w * l(p);
     const vec wv = vset1(w);
-    const float* a = s.acc(g);
+    const float* a = first + p * stride + 2 * Q + g * Dp;
     for (int64_t i = 0; i < Dp; i += kLanes) vstore(o + i, vfma(wv, vload(a + i), vload(o + i)));
   }
   const float inv = 1.0f / denom;

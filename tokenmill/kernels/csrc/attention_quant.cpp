@@ -162,7 +162,7 @@ extern "C" void tm_decode_attention_quant(const float* q, const tm_kv_pages* k,
   std::vector<Part> parts;
   std::vector<std::pair<int64_t, int64_t>> groups;  // (first part, parts) of a task's KV heads
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t L = seq_lens[b], start = window > 0 ? std::max<int64_t>(0, L - window) : 0;
+    const int64_t L = seq_lens[b], start = window_start(L, window);
     for (int64_t h0 = 0; h0 < kv_heads; h0 += nh) {
       groups.emplace_back(static_cast<int64_t>(parts.size()), 0);
       for (int64_t p = start / P; p == start / P || p * P < L; ++p, ++groups.back().second)
