@@ -132,6 +132,22 @@ def test_chat_template_answers_the_capital_of_france(llm):
     assert "Paris" in out[0].outputs[0].text
 
 
+def test_generate_completes_the_base_model_as_is(llm, capsys):
+    """`tokenmill generate` sends a prompt as it is to a model whose file has no chat
+    template of its own (llama-cli completes there too): wrapped in Gemma's turn markers this
+    base model answered "The capital of France is" with " devenue" over and over."""
+    from tokenmill.cli import main
+
+    assert llm.tokenizer.family_template
+    prompt = "The capital of France is"
+    assert main(["generate", NAME, prompt, "-n", "8", "-t", "0", "--dtype", "float32",
+                 "--max-model-len", "256"]) == 0
+    out = capsys.readouterr()
+    want = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+    assert out.out == want[0].outputs[0].text + "\n"
+    assert f"prompt {len(llm.tokenizer.encode(prompt))} tokens" in out.err
+
+
 def test_local_layers_hold_only_their_window(llm):
     """Decoding 64 tokens after a 600-token prompt: the global layers' pool holds every
     block, the local layers' pool at most the window's 32 blocks plus the two being filled."""

@@ -37,6 +37,9 @@ class Tokenizer:
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self.add_bos_token = add_bos_token and self.bos_token_id is not None
         self.chat_template = chat_template
+        # True where chat_template is the model family's, given to a file that ships none (a
+        # base model's GGUF): `tokenmill generate` then completes the prompt as it is
+        self.family_template = False
         eos_id = backend.token_to_id(eos_token) if eos_token else None
         ids = list(eos_token_ids or [])
         if eos_id is not None and eos_id not in ids:

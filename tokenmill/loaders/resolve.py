@@ -43,6 +43,7 @@ def load_tokenizer(path: str, model_config: ModelConfig | None = None) -> Tokeni
         tok = load_gguf_tokenizer(path)
         if tok is not None and not tok.chat_template and model_config:
             tok.chat_template = model_config.chat_template  # the family's own, as llama.cpp does
+            tok.family_template = tok.chat_template is not None
         return tok
     from tokenmill.loaders.llama2c import is_llama2c_checkpoint
     from tokenmill.loaders.llama2c_tokenizer import load_llama2c_tokenizer
