@@ -28,9 +28,10 @@ class ElementwiseCalls:
         return out
 
     def rope(self, x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> None:
-        """In place on x: (tokens, heads, head_dim); cos_sin: (2, max_positions, head_dim)."""
+        """In place on x: (tokens, heads, head_dim); cos_sin: (2, max_positions, head_dim / 2)
+        (rotary.py)."""
         _check(x.dim() == 3 and x.is_contiguous() and cos_sin.is_contiguous()
-               and cos_sin.dtype == torch.float32 and cos_sin.shape[2] == x.shape[2]
+               and cos_sin.dtype == torch.float32 and 2 * cos_sin.shape[2] == x.shape[2]
                and positions.numel() == x.shape[0], "rope: bad shapes")
         pos = positions.to(torch.int64).contiguous()
         self._sync_threads()
@@ -44,7 +45,7 @@ class ElementwiseCalls:
         side by side -> rotated q (tokens, heads, head_dim) and k (tokens, kv_heads,
         head_dim), as rope() gives; rotated k and v also written to k_cache / v_cache
         (cache slots, kv_heads, head_dim) at slots."""
-        D = cos_sin.shape[2]
+        D = 2 * cos_sin.shape[2]
         tokens = qkv.shape[0]
         _check(qkv.dim() == 2 and qkv.stride(1) == 1 and qkv.shape[1] >= (heads + 2 * kv_heads) * D
                and k_cache.shape[1:] == v_cache.shape[1:] == (kv_heads, D)

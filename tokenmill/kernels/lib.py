@@ -19,7 +19,7 @@ from tokenmill.kernels.weight_arena import ARENA
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-ABI_VERSION = 18
+ABI_VERSION = 19
 _P, _I = c_void_p, c_int64
 
 

@@ -46,7 +46,7 @@ class DecoderLayerWeights:
 class DecoderWeights:
     layers: list[DecoderLayerWeights]
     final_norm: torch.Tensor
-    cos_sin: torch.Tensor  # (2, max_positions, head_dim) float32
+    cos_sin: torch.Tensor  # (2, max_positions, head_dim / 2) float32
     heads: int
     kv_heads: int
     head_dim: int

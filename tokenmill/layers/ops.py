@@ -35,9 +35,10 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_ref(x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    # x: (tokens, heads, head_dim); cos_sin: (2, max_positions, head_dim) float32
-    cos = cos_sin[0, positions].to(x.dtype)[:, None, :]  # (tokens, 1, head_dim)
-    sin = cos_sin[1, positions].to(x.dtype)[:, None, :]
+    # x: (tokens, heads, head_dim); cos_sin: (2, max_positions, head_dim / 2) float32, each
+    # column for both halves, as Hugging Face's cos/sin of cat((freqs, freqs)) hold it twice
+    cos = cos_sin[0, positions].to(x.dtype).repeat(1, 2)[:, None, :]  # (tokens, 1, head_dim)
+    sin = cos_sin[1, positions].to(x.dtype).repeat(1, 2)[:, None, :]
     return x * cos + rotate_half(x) * sin
 
 

@@ -1,7 +1,8 @@
 """Rotary position embeddings (RoPE), "rotate half" layout as in Hugging Face Llama.
 
-cos/sin for every position up to max_positions are computed once in float32; a step gathers the
-rows of its token positions. Supports the default, linear and Llama-3 frequency scalings,
+cos/sin for every position up to max_positions are computed once in float32, one column per
+frequency (rotate-half uses each twice: a table of rotary_dim columns held every value twice,
+64 MiB of Gemma-3's 128 MiB at 32,768 positions); a step gathers the rows of its positions. Supports the default, linear and Llama-3 frequency scalings,
 GGUF's per-frequency divisors (rope_freqs), Phi-3's LongRoPE, and partial rotary embeddings
 (RoPE on each head's first rotary_dim dims only, the rest passed through: Phi-4-mini).
 
@@ -125,7 +126,7 @@ class RotaryEmbedding(nn.Module):
                  rotary_dim: int | None = None):
         super().__init__()
         self.head_dim = head_dim
-        self.rotary_dim = rotary_dim or head_dim  # the table's width
+        self.rotary_dim = rotary_dim or head_dim  # the dims rotated (the table has half as many)
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
             raise ValueError(f"rotary dims {self.rotary_dim} must be even and at most the "
                              f"head dim {head_dim}")
@@ -141,8 +142,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq = rope_inv_freq(self.rotary_dim, self.base, self.scaling, self.max_positions)
         positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
         freqs = positions[:, None] * inv_freq[None, :]  # (positions, rotary_dim/2)
-        emb = torch.cat((freqs, freqs), dim=-1)  # (positions, rotary_dim)
-        table = torch.stack((emb.cos(), emb.sin()))  # (2, positions, rotary_dim)
+        table = torch.stack((freqs.cos(), freqs.sin()))  # (2, positions, rotary_dim/2)
         factor = rope_attention_factor(self.scaling)
         return table if factor == 1.0 else table * factor
 

@@ -42,13 +42,18 @@ void rms_norm_rows(T* x, const T* w, const T* add, T* out, int64_t rows, int64_t
   });
 }
 
-// cos and sin of one position, rounded to T as the reference's table.to(dtype)
+// cos and sin of one position for each of the D dims, rounded to T as the reference's
+// table.to(dtype); the table holds each frequency's once (D / 2 columns) for both halves
 template <typename T>
 inline void rope_table(const float* cos_sin, int64_t table_len, int64_t pos, int64_t D, float* c,
                        float* s) {
-  const float* cr = cos_sin + pos * D;
-  const float* sr = cos_sin + (table_len + pos) * D;
-  for (int64_t i = 0; i < D; ++i) { c[i] = rnd<T>(cr[i]); s[i] = rnd<T>(sr[i]); }
+  const int64_t half = D / 2;
+  const float* cr = cos_sin + pos * half;
+  const float* sr = cos_sin + (table_len + pos) * half;
+  for (int64_t i = 0; i < half; ++i) {
+    c[i] = c[i + half] = rnd<T>(cr[i]);
+    s[i] = s[i + half] = rnd<T>(sr[i]);
+  }
 }
 
 // One head: dst = src * cos + rotate_half(src) * sin, rounded like the reference at each step

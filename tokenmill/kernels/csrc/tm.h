@@ -18,7 +18,7 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 18
+#define TM_ABI_VERSION 19
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -84,7 +84,7 @@ typedef struct {
   int32_t act; /* TM_ACT_SILU or TM_ACT_GELU_TANH: act(gate) * up */
   const tm_layer* layers;
   const void* final_norm;
-  const float* cos_sin; /* (2, max_positions, head_dim) float32 */
+  const float* cos_sin; /* (2, max_positions, head_dim / 2) float32: cos, sin per frequency */
   int64_t max_positions;
   int32_t kv_format;
   const uint16_t *k_scale, *v_scale;
@@ -133,7 +133,8 @@ TM_API void tm_linear_fwd(int dtype, const void* x, int64_t m, const tm_linear* 
 /* out = w * normalize(x); with add: x = x + add first (x is the residual stream) */
 TM_API void tm_rms_norm(int dtype, void* x, const void* w, const void* add, void* out,
                         int64_t rows, int64_t hidden, float eps);
-/* in place on x (tokens, heads, head_dim), rotate-half layout */
+/* in place on x (tokens, heads, head_dim), rotate-half layout; cos_sin (2, max_positions,
+   head_dim / 2): each frequency's cos and sin once, for both halves */
 TM_API void tm_rope(int dtype, void* x, int64_t tokens, int64_t heads, int64_t head_dim,
                     const float* cos_sin, int64_t max_positions, const int64_t* positions);
 /* qkv (tokens, ld): per row heads q, kv_heads k, kv_heads v of head_dim each -> q (tokens,
