@@ -2,9 +2,10 @@
 
 cos/sin for every position up to max_positions are computed once in float32, one column per
 frequency (rotate-half uses each twice: a table of rotary_dim columns held every value twice,
-64 MiB of Gemma-3's 128 MiB at 32,768 positions); a step gathers the rows of its positions. Supports the default, linear and Llama-3 frequency scalings,
-GGUF's per-frequency divisors (rope_freqs), Phi-3's LongRoPE, and partial rotary embeddings
-(RoPE on each head's first rotary_dim dims only, the rest passed through: Phi-4-mini).
+64 MiB of Gemma-3's 128 MiB at 32,768 positions); a step gathers the rows of its positions.
+Supports the default, linear and Llama-3 frequency scalings, GGUF's per-frequency divisors
+(rope_freqs), Phi-3's LongRoPE, and partial rotary embeddings (RoPE on each head's first
+rotary_dim dims only, the rest passed through: Phi-4-mini).
 
 LongRoPE divides each frequency by a factor from one of two sets and scales cos/sin by an
 attention factor. The set is chosen once, for the table: the long factors when the table
