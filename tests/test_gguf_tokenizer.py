@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from tokenmill.loaders.gguf_file import open_gguf
@@ -102,3 +103,37 @@ def test_inconsistent_metadata_is_a_clear_error(vocabs):
     vocab = dataclasses.replace(spm, scores=spm.scores[:-1])
     with pytest.raises(ValueError, match="32000 tokens but 31999 token scores"):
         build_tokenizer(vocab)
+
+
+def test_merges_are_cached_by_vocabulary(vocabs, tmp_path, monkeypatch):
+    """A SentencePiece vocabulary's merges (recovered from its scores) are stored the first
+    time and read back after: the same merges, no recomputation. A damaged or mismatched file
+    is recomputed; other scores are another file."""
+    from tokenmill.loaders import vocab as vocab_module
+    from tokenmill.loaders.merges_cache import cache_path, cached_merges
+    from tokenmill.loaders.vocab import _token_ids, merges_from_scores
+
+    monkeypatch.setenv("TOKENMILL_HOME", str(tmp_path))
+    vocab = vocabs["ggml-vocab-llama-spm.gguf"]
+    ids, want = _token_ids(vocab.tokens), merges_from_scores(vocab)
+    path = cache_path(vocab.tokens, vocab.types, vocab.scores)
+    assert not path.exists()
+    assert cached_merges(vocab, merges_from_scores, ids) == want and path.exists()
+
+    def fail(_):
+        raise AssertionError("recomputed")
+
+    assert cached_merges(vocab, fail, ids) == want
+    monkeypatch.setattr(vocab_module, "merges_from_scores", fail)  # the tokenizer reads it too
+    text = "Hello world, it's 3.14 ▁ héllo"
+    assert build_tokenizer(vocab).encode(text) == build_tokenizer(
+        dataclasses.replace(vocab, merges=want)).encode(text)
+    for damage in (b"junk", path.read_bytes()[:100]):
+        path.write_bytes(damage)
+        assert cached_merges(vocab, merges_from_scores, ids) == want
+    np.save(path, np.array([[0, len(vocab.tokens)]], dtype=np.int32))  # an id past the vocabulary
+    assert cached_merges(vocab, merges_from_scores, ids) == want
+    assert np.load(path).shape == (len(want), 2)
+    other = dataclasses.replace(vocab, scores=[s + 1.0 if i == 500 else s
+                                               for i, s in enumerate(vocab.scores)])
+    assert cache_path(other.tokens, other.types, other.scores) != path

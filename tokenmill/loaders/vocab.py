@@ -2,7 +2,7 @@
 
 Two families, both run by the Rust `tokenizers` backend:
 - SentencePiece-style BPE ("llama"): pieces with scores, `▁` for spaces, a dummy prefix space,
-  byte fallback to `<0xNN>` pieces. Merges are recovered from the scores.
+  byte fallback to `<0xNN>` pieces. Merges are recovered from the scores (merges_cache.py).
 - GPT-2-style byte-level BPE ("gpt2"): vocabulary plus merges, text split first by a regex that
   depends on the model family (llama.cpp's `tokenizer.ggml.pre`).
 """
@@ -15,6 +15,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers.models import BPE
 
+from tokenmill.loaders.merges_cache import cached_merges
 from tokenmill.tokenizer import Tokenizer
 
 # llama.cpp token types (gguf.TokenType); a vocabulary without types has only NORMAL tokens.
@@ -119,9 +120,12 @@ def merges_from_scores(vocab: Vocab) -> list[tuple[str, str]]:
 def sentencepiece_backend(vocab: Vocab) -> BackendTokenizer:
     if vocab.scores is None and vocab.merges is None:
         raise ValueError("a SentencePiece-style vocabulary needs scores or merges")
-    merges = vocab.merges if vocab.merges is not None else merges_from_scores(vocab)
+    ids = _token_ids(vocab.tokens)
+    merges = vocab.merges
+    if merges is None:  # recovered from the scores once, then read from the cache
+        merges = cached_merges(vocab, merges_from_scores, ids)
     unk = vocab.token(vocab.unk_id)
-    backend = BackendTokenizer(BPE(vocab=_token_ids(vocab.tokens), merges=merges, unk_token=unk,
+    backend = BackendTokenizer(BPE(vocab=ids, merges=merges, unk_token=unk,
                                    fuse_unk=True, byte_fallback=True))
     # llama.cpp puts the dummy space in front of every run of text (also after special tokens),
     # like the Prepend normalizer does per segment; " x" becomes "▁▁x".
