@@ -75,8 +75,8 @@ def _simple(b: np.ndarray, qtype: int):
     if qtype == Q.Q5_1:
         return _nibbles(b[:, 8:24]) | _fifth_bits(b[:, 4:8]), _f16(b, 0), _f16(b, 2)
     d = _f32(b, 0)  # m = -offset * d, in float32 and rounded once
-    if qtype == Q.Q8_0:
-        return (b[:, 2:34].view(np.int8).astype(np.int16) + 128).astype(np.uint8), d, -128 * d
+    if qtype == Q.Q8_0:  # q + 128 of an int8 q is its byte with the top bit flipped: one pass
+        return b[:, 2:34] ^ np.uint8(0x80), d, -128 * d
     if qtype == Q.Q4_0:
         return _nibbles(b[:, 2:18]), d, -8 * d
     return _nibbles(b[:, 6:22]) | _fifth_bits(b[:, 2:6]), d, -16 * d  # Q5_0
