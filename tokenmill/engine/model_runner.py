@@ -25,6 +25,7 @@ from tokenmill.layers.kv_cache import KVCache
 from tokenmill.layers.kv_quant import kv_format
 from tokenmill.layers.linear import drop_row_copies
 from tokenmill.layers.rejection_sampler import Span, verify
+from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.layers.sampler import GrammarMasks, Sampler, top_logprobs
 from tokenmill.layers.slot_cache import PooledChunk, PooledContext, SlotCache
 from tokenmill.models.config import ModelConfig
@@ -55,6 +56,8 @@ class ModelRunner:
     ) -> None:
         self.ops = backend or ops.current()  # the op implementation the model was built with
         self.model = model
+        # rotary tables, computed as far as the steps' positions reach (layers/rotary.py)
+        self._rotary = [m for m in model.modules() if isinstance(m, RotaryEmbedding)]
         self.config = model_config
         self.device = device
         self.block_size = block_size
@@ -124,6 +127,10 @@ class ModelRunner:
             starts[i] = len(ids)
             ids += seq.step_token_ids(first, n)
             positions += range(first, first + n)
+        if positions:
+            reach = max(seq.num_computed_tokens + n for seq, n in scheduled)
+            for rotary in self._rotary:
+                rotary.ensure(reach)
         ids, positions = self._tensor([ids, positions])  # one conversion, two row views
         if self.pooled:
             return ids, positions, self._pooled_context(scheduled, order, starts), starts

@@ -1,8 +1,11 @@
 """Rotary position embeddings (RoPE), "rotate half" layout as in Hugging Face Llama.
 
-cos/sin for every position up to max_positions are computed once in float32, one column per
-frequency (rotate-half uses each twice: a table of rotary_dim columns held every value twice,
-64 MiB of Gemma-3's 128 MiB at 32,768 positions); a step gathers the rows of its positions.
+cos/sin of a position are computed once in float32, one column per frequency (rotate-half
+uses each twice: a table of rotary_dim columns held every value twice), into a table of
+max_positions rows whose memory the OS maps as rows are written: the first FILL_CHUNK
+positions at once, later ones a chunk at a time as the engine's steps reach them (ensure();
+the model runner calls it each step). Gemma-3's two tables at 32,768 positions took 128 MiB;
+a conversation of 4,096 tokens now makes 8 MiB of them resident.
 Supports the default, linear and Llama-3 frequency scalings, GGUF's per-frequency divisors
 (rope_freqs), Phi-3's LongRoPE, and partial rotary embeddings (RoPE on each head's first
 rotary_dim dims only, the rest passed through: Phi-4-mini).
@@ -25,6 +28,7 @@ from torch import nn
 
 from tokenmill.layers import ops
 
+FILL_CHUNK = 4096  # positions of the table computed at a time
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "longrope", "yarn")
 
 
@@ -135,21 +139,42 @@ class RotaryEmbedding(nn.Module):
         self.base = base
         self.scaling = scaling
         self.ops = ops.current()
-        self.register_buffer("cos_sin", self._table(), persistent=False)
-
-    def _table(self) -> torch.Tensor:
         # on the CPU even while the model is built on the meta device (where these ops run
         # PyTorch's Python decompositions, whose first use imported ~1 s of sympy)
-        inv_freq = rope_inv_freq(self.rotary_dim, self.base, self.scaling, self.max_positions)
-        positions = torch.arange(self.max_positions, dtype=torch.int64, device="cpu").float()
-        freqs = positions[:, None] * inv_freq[None, :]  # (positions, rotary_dim/2)
-        table = torch.stack((freqs.cos(), freqs.sin()))  # (2, positions, rotary_dim/2)
-        factor = rope_attention_factor(self.scaling)
-        return table if factor == 1.0 else table * factor
+        self.inv_freq = rope_inv_freq(self.rotary_dim, base, scaling, max_positions)
+        self.factor = rope_attention_factor(scaling)
+        self.register_buffer("cos_sin", self._table("cpu"), persistent=False)
+
+    def _table(self, device) -> torch.Tensor:
+        """(2, max_positions, rotary_dim / 2): cos, sin; rows from self.filled on unwritten."""
+        table = torch.empty(2, self.max_positions, self.rotary_dim // 2, device=device)
+        self.filled = 0
+        if table.device.type != "meta":
+            self._fill(table, FILL_CHUNK)
+        return table
 
     def reset_buffers(self) -> None:
-        """Recompute the table after the module was materialized from the meta device."""
-        self.cos_sin = self._table().to(self.cos_sin.device)
+        """A new table after the module was materialized from the meta device."""
+        self.cos_sin = self._table(self.cos_sin.device)
+
+    def ensure(self, positions: int) -> None:
+        """Rows [0, positions) of the table computed (whole chunks of FILL_CHUNK)."""
+        if positions > self.filled:
+            self._fill(self.cos_sin, positions)
+
+    def _fill(self, table: torch.Tensor, positions: int) -> None:
+        # each chunk the same computation, wherever a table stops: a row's values do not
+        # depend on how far the table was filled
+        end = min(self.max_positions, -(-positions // FILL_CHUNK) * FILL_CHUNK)
+        for start in range(self.filled, end, FILL_CHUNK):
+            stop = min(start + FILL_CHUNK, self.max_positions)
+            rows = torch.arange(start, stop, dtype=torch.int64, device="cpu").float()
+            freqs = rows[:, None] * self.inv_freq[None, :]  # (rows, rotary_dim / 2)
+            chunk = torch.stack((freqs.cos(), freqs.sin()))
+            if self.factor != 1.0:
+                chunk = chunk * self.factor
+            table[:, start:stop] = chunk.to(table.device)
+        self.filled = max(self.filled, end)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
