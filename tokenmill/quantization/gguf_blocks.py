@@ -55,9 +55,9 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 
 
 def _fifth_bits(qh: np.ndarray) -> np.ndarray:
-    """(..., 4) bytes -> (..., 32) bit j of the little-endian 32-bit word, as 0/16."""
-    word = np.ascontiguousarray(qh).view("<u4")
-    return (((word >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    """(..., 4) bytes -> (..., 32) bit j of the little-endian 32-bit word, as 0/16 (one byte
+    per bit from the start: shifting the words made 4-byte temporaries, 30x slower)."""
+    return np.unpackbits(qh, axis=-1, bitorder="little") << 4
 
 
 def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
