@@ -120,7 +120,7 @@ def test_merges_are_cached_by_vocabulary(vocabs, tmp_path, monkeypatch):
     assert not path.exists()
     assert cached_merges(vocab, merges_from_scores, ids) == want and path.exists()
 
-    def fail(_):
+    def fail(*_):
         raise AssertionError("recomputed")
 
     assert cached_merges(vocab, fail, ids) == want

@@ -35,15 +35,15 @@ def cache_path(tokens: list[str], types: list[int] | None, scores: list[float]) 
 
 
 def cached_merges(vocab, compute: Callable, ids: dict[str, int]) -> list[tuple[str, str]]:
-    """compute(vocab), or its result as stored for the same pieces, types and scores; ids:
-    each piece's id (the first, for a spelling that appears twice)."""
+    """compute(vocab, ids), or its result as stored for the same pieces, types and scores;
+    ids: each piece's id (the first, for a spelling that appears twice)."""
     tokens = vocab.tokens
     path = cache_path(tokens, vocab.types, vocab.scores)
     pairs = _read(path, len(tokens))
     if pairs is not None:  # (zip's tuples: 3x faster than a comprehension over rows)
         return list(zip(map(tokens.__getitem__, pairs[:, 0].tolist()),
                         map(tokens.__getitem__, pairs[:, 1].tolist())))
-    merges = compute(vocab)
+    merges = compute(vocab, ids)
     _write(path, np.array([(ids[a], ids[b]) for a, b in merges], dtype=np.int32).reshape(-1, 2))
     return merges
 

@@ -99,10 +99,11 @@ def _token_ids(tokens: list[str]) -> dict[str, int]:
     return ids
 
 
-def merges_from_scores(vocab: Vocab) -> list[tuple[str, str]]:
+def merges_from_scores(vocab: Vocab, ids: dict[str, int] | None = None) -> list[tuple[str, str]]:
     """BPE merges implied by SentencePiece scores: every split of a piece into two pieces,
-    best-scored result first (SentencePiece merges the pair whose result scores highest)."""
-    ids = _token_ids(vocab.tokens)
+    best-scored result first (SentencePiece merges the pair whose result scores highest).
+    ids: _token_ids(vocab.tokens), where the caller has it."""
+    ids = ids if ids is not None else _token_ids(vocab.tokens)
     plain = (NORMAL, USER_DEFINED, UNUSED)
     candidates = []
     for piece_id, piece in enumerate(vocab.tokens):
