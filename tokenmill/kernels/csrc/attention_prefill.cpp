@@ -12,8 +12,12 @@
 #include "kv_pages.h"
 #include "tm.h"
 #include "vec.h"
+// The rows-in-lanes path (attention_prefill_lanes.h) for bf16 caches on AMX tiles;
+// TM_AMX_EMULATED turns it on in a build whose tile instructions are emulated in C++
+// (tests/test_amx_emulated.py only)
 #if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
-#include "attention_amx_keys.h"
+#define TM_LANES_ATTENTION
+#include "prefill_lanes.h"
 #endif
 
 namespace tm {
@@ -22,19 +26,16 @@ constexpr int64_t kQueryTile = 32;  // query positions per task (x the GQA group
 
 struct PrefillScratch {
   std::vector<float> q, kt, v, s, m, l, o;
-  std::vector<uint32_t> qp, kp, vp, pp, vt;  // bf16 pairs (the dot-product and AMX paths)
-  std::vector<uint32_t> on;  // the AMX path: whether a group's output holds anything yet
+  std::vector<uint32_t> qp, kp, vp, pp, vt;  // bf16 pairs (the dot-product and lanes paths)
+  std::vector<uint32_t> on;  // the lanes path: whether a group's output holds anything yet
 #ifdef TM_PREFILL_INT
   IntTile it;  // int8 / int4 pages
 #endif
 };
 
-// The AMX tile path (attention_amx.h); TM_AMX_EMULATED turns it on in a build whose tile
-// instructions are emulated in C++ (tests/test_amx_emulated.py only)
-#if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
-#define TM_AMX_ATTENTION
-template <typename Task>
-void amx_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc);
+#ifdef TM_LANES_ATTENTION
+template <typename Task>  // lanes_prefill_tile on AMX tiles or VDPBF16PS (below)
+void lanes_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc);
 #endif
 
 template <typename T>
@@ -47,8 +48,8 @@ struct PrefillTask {
   T* out;
   const QuantPages *kq = nullptr, *vq = nullptr;  // quantized pages instead of kc, vc
   const int64_t* stage_table = nullptr;          // int4 K: each block's stage slot
-#ifdef TM_AMX_ATTENTION
-  const AmxKeys* amx = nullptr;  // the AMX path's keys, made once per call
+#ifdef TM_LANES_ATTENTION
+  const LaneKeys* lanes = nullptr;  // the lanes path's keys, made once per call
 #endif
 
   static constexpr bool kDot =
@@ -131,9 +132,9 @@ struct PrefillTask {
 
   // query tile [i0, i0 + rows) x the `group` query heads of KV head h
   void run(int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc) const {
-#ifdef TM_AMX_ATTENTION
+#ifdef TM_LANES_ATTENTION
     if constexpr (std::is_same_v<T, bf16>)
-      if (amx) return amx_prefill_tile(*this, h, i0, rows, sc);
+      if (lanes) return lanes_tile(*this, h, i0, rows, sc);
 #endif
     const int64_t group = Hq / Hk, R = rows * group, Dp = this->Dp();
     const bool ints = int_pages();
@@ -239,21 +240,31 @@ struct PrefillTask {
 
 }  // namespace tm
 
-#ifdef TM_AMX_ATTENTION
+#ifdef TM_LANES_ATTENTION
+#include "attention_prefill_lanes.h"
 #include "attention_amx.h"
+
+namespace tm {
+
+template <typename Task>
+void lanes_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc) {
+  lanes_prefill_tile<AmxAttention>(t, h, i0, rows, sc);
+}
+
+}  // namespace tm
 #endif
 
 namespace tm {
 
 template <typename T>
 void prefill_attention(PrefillTask<T> t, int64_t n_new) {
-#ifdef TM_AMX_ATTENTION
-  thread_local AmxKeys keys;  // the caller's: the same buffers call after call
+#ifdef TM_LANES_ATTENTION
+  thread_local LaneKeys keys;  // the caller's: the same buffers call after call
   if constexpr (std::is_same_v<T, bf16>)
     if (!t.kq && t.D % 32 == 0) {
       keys.make(t, t.window > 0 ? std::max<int64_t>(0, t.computed - t.window + 1) : 0,
                 t.computed + n_new);
-      t.amx = &keys;
+      t.lanes = &keys;
     }
 #endif
   int64_t tiles = (n_new + kQueryTile - 1) / kQueryTile;
