@@ -62,6 +62,22 @@ def test_amx_prefill_attention_matches_the_reference(emulated, d, hq, hk, comput
     assert (out.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("window", [None, 30])
+def test_amx_row_does_not_depend_on_its_chunk(emulated, window):
+    """As on the VDPBF16PS engine (test_prefill_lanes.py): a row alone gives its bits in the
+    whole chunk."""
+    torch.manual_seed(5)
+    computed, new, d = 530, 40, 64
+    cache, table, _, _, _ = paged_history(computed + new, 16, 1, d, torch.bfloat16)
+    q = torch.randn(new, 4, d).to(torch.bfloat16)
+    whole = emulated.prefill_attention(q, cache.k[0][0], cache.v[0][0], table, computed, window,
+                                       0.125)
+    for r in (0, 5, new - 1):
+        alone = emulated.prefill_attention(q[r:r + 1], cache.k[0][0], cache.v[0][0], table,
+                                           computed + r, window, 0.125)
+        assert torch.equal(alone[0], whole[r]), r
+
+
 def test_amx_path_is_bf16_whole_tiles_only(emulated):
     """float32 and a head size that is no multiple of 32 keep the vector path."""
     torch.manual_seed(0)

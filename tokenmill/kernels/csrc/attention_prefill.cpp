@@ -12,10 +12,10 @@
 #include "kv_pages.h"
 #include "tm.h"
 #include "vec.h"
-// The rows-in-lanes path (attention_prefill_lanes.h) for bf16 caches on AMX tiles;
-// TM_AMX_EMULATED turns it on in a build whose tile instructions are emulated in C++
-// (tests/test_amx_emulated.py only)
-#if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
+// The rows-in-lanes path (attention_prefill_lanes.h) for bf16 caches: on AMX tiles, else on
+// VDPBF16PS; TM_AMX_EMULATED turns the AMX one on in a build whose tile instructions are
+// emulated in C++ (tests/test_amx_emulated.py only)
+#if defined(TM_ISA_AVX512_BF16) || defined(TM_AMX_EMULATED)
 #define TM_LANES_ATTENTION
 #include "prefill_lanes.h"
 #endif
@@ -242,13 +242,21 @@ struct PrefillTask {
 
 #ifdef TM_LANES_ATTENTION
 #include "attention_prefill_lanes.h"
+#if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
 #include "attention_amx.h"
+#else
+#include "attention_prefill_dot.h"
+#endif
 
 namespace tm {
 
 template <typename Task>
 void lanes_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc) {
+#if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
   lanes_prefill_tile<AmxAttention>(t, h, i0, rows, sc);
+#else
+  lanes_prefill_tile<DotAttention>(t, h, i0, rows, sc);
+#endif
 }
 
 }  // namespace tm

@@ -5,7 +5,7 @@
 // go in pairs and keys Engine::kBlock at a time: a pair's scores S^T (keys x rows) for all of
 // them, then each group's softmax step (prefill_lanes.h), then their outputs O^T (channels x
 // rows) += V^T . P^T, read from the call's K rows and V^T pairs (LaneKeys). The engine computes
-// the two products (AMX tiles: attention_amx.h):
+// the two products: AMX tiles (attention_amx.h) or VDPBF16PS (attention_prefill_dot.h):
 // - engine.scores(kr, D, keys, q0, q1, two, s, s1): S^T of the group whose q^T pairs [D/2][16]
 //   are q0 into s[k][16] for keys k < `keys` (written up to a multiple of 32), and of the next
 //   group (q1) into s1 when two; kr: the keys' rows, D apart, zero past the call's keys;
@@ -47,8 +47,11 @@ void lanes_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, Pref
   float corr[G];
   const LaneKeys& keys = *t.lanes;
   const int64_t start = t.window > 0 ? std::max<int64_t>(0, first - t.window + 1) : 0;
+  // blocks end at multiples of kBlock, so a row's keys fall into the same softmax steps in any
+  // call (a window's first block starts where the call's first row sees keys): its bits do not
+  // depend on the rows beside it
   for (int64_t p = start - (start - keys.p0) % kLaneKeys, n; p <= last; p += n) {  // a block's start
-    n = std::min(kBlock, last + 1 - p);
+    n = std::min(kBlock - p % kBlock, last + 1 - p);
     const bf16* kr = keys.k_at(h, p);
     const uint32_t* vt0 = keys.vt_at(h, p);
     // groups whose rows all come before the keys see none of them; with a window, groups

@@ -1,8 +1,9 @@
 // The rows-in-lanes prefill attention's shared pieces (attention_prefill_lanes.h runs them with
-// an engine for its products, the AMX tiles of attention_amx.h):
-// the keys of a call in the layouts the engines read, made once per call for every KV head and shared
-// by its tasks (each task used to copy the keys it needed for itself: at 512 tokens every key
-// ~8 times), and the online softmax on query rows held in the lanes.
+// an engine for its products: AMX tiles, attention_amx.h, or VDPBF16PS,
+// attention_prefill_dot.h): the keys of a call in the layouts the engines read, made once per
+// call for every KV head and shared by its tasks (each task used to copy the keys it needed for
+// itself: at 512 tokens every key ~8 times), and the online softmax on query rows held in the
+// lanes.
 #pragma once
 
 #include <immintrin.h>
