@@ -68,3 +68,23 @@ def test_a_row_does_not_depend_on_its_chunk(lib, window):
     parts = torch.cat([attend(lib, q[:cut], cache, table, computed, window, scale),
                        attend(lib, q[cut:], cache, table, computed + cut, window, scale)])
     assert torch.equal(parts, whole)
+
+
+def test_a_long_historys_key_copy_is_not_kept(lib):
+    """The call's keys are copied for the lanes (K rows, V^T pairs); past 64 MiB the copy is
+    freed after the call rather than kept resident for the next one (here 118 MiB)."""
+    def rss_mib():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096 / 2**20
+
+    hq, hk, d, history = 32, 8, 128, 30000
+    blocks = history // 16 + 4
+    k = torch.randn(blocks, 16, hk, d).to(torch.bfloat16)
+    v = torch.randn(blocks, 16, hk, d).to(torch.bfloat16)
+    q = torch.randn(32, hq, d).to(torch.bfloat16)
+    table = torch.arange(blocks)
+    lib.prefill_attention(q, k, v, table, 0, None, d ** -0.5)  # the short call's buffers
+    before = rss_mib()
+    out = lib.prefill_attention(q, k, v, table, history, None, d ** -0.5)
+    assert torch.isfinite(out.float()).all()
+    assert rss_mib() - before < 40
