@@ -241,25 +241,7 @@ struct PrefillTask {
 }  // namespace tm
 
 #ifdef TM_LANES_ATTENTION
-#include "attention_prefill_lanes.h"
-#if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
-#include "attention_amx.h"
-#else
-#include "attention_prefill_dot.h"
-#endif
-
-namespace tm {
-
-template <typename Task>
-void lanes_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc) {
-#if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
-  lanes_prefill_tile<AmxAttention>(t, h, i0, rows, sc);
-#else
-  lanes_prefill_tile<DotAttention>(t, h, i0, rows, sc);
-#endif
-}
-
-}  // namespace tm
+#include "attention_prefill_lanes.h"  // lanes_tile
 #endif
 
 namespace tm {

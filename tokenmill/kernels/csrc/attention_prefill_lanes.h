@@ -19,6 +19,11 @@
 #include <cstring>
 
 #include "prefill_lanes.h"
+#if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
+#include "attention_amx.h"
+#else
+#include "attention_prefill_dot.h"
+#endif
 
 namespace tm {
 
@@ -116,6 +121,16 @@ void lanes_prefill_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, Pref
       }
     }
   }
+}
+
+// PrefillTask::run's lanes path: the build's engine
+template <typename Task>
+void lanes_tile(const Task& t, int64_t h, int64_t i0, int64_t rows, PrefillScratch& sc) {
+#if defined(TM_ISA_AMX) || defined(TM_AMX_EMULATED)
+  lanes_prefill_tile<AmxAttention>(t, h, i0, rows, sc);
+#else
+  lanes_prefill_tile<DotAttention>(t, h, i0, rows, sc);
+#endif
 }
 
 }  // namespace tm
