@@ -129,6 +129,19 @@ def paged_history(length: int, block_size: int, kv_heads: int, head_dim: int, kv
     return cache, table, slots, k, v
 
 
+def prefill_reference(q, cache, table, computed: int, window, attn):
+    """Float32 reference of a bf16 prefill chunk q (new, heads, head_dim) at positions computed
+    onward against paged_history's cache: SDPA on the gathered history with the chunk's causal
+    (and window) mask."""
+    from tokenmill.layers.attention import chunk_mask
+
+    length, new = computed + q.shape[0], q.shape[0]
+    k, v = cache.gather(0, table[None], torch.bfloat16)
+    return attn._sdpa(q.float().transpose(0, 1), k[0, :length].float().transpose(0, 1),
+                      v[0, :length].float().transpose(0, 1),
+                      mask=chunk_mask(computed, new, window, q.device)).transpose(0, 1)
+
+
 def random_prompts(
     count: int, lo: int, hi: int, vocab: int = 256, seed: int = 0
 ) -> list[list[int]]:

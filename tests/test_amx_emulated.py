@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import paged_history
+from tests.conftest import paged_history, prefill_reference
 from tokenmill.kernels import build
 from tokenmill.kernels.isa import supported_isas
 from tokenmill.kernels.lib import KernelLib
-from tokenmill.layers.attention import PagedAttention, chunk_mask
+from tokenmill.layers.attention import PagedAttention
 
 EMULATION = Path(__file__).parent / "csrc" / "amx_emulation.h"
 
@@ -54,10 +54,7 @@ def test_amx_prefill_attention_matches_the_reference(emulated, d, hq, hk, comput
     out = emulated.prefill_attention(q, cache.k[0][0], cache.v[0][0], table, computed, window,
                                      attn.scale)
     assert tile_ops(emulated) > before  # the tile path ran
-    k, v = cache.gather(0, table[None], torch.bfloat16)
-    ref = attn._sdpa(q.float().transpose(0, 1), k[0, :length].float().transpose(0, 1),
-                     v[0, :length].float().transpose(0, 1),
-                     mask=chunk_mask(computed, new, window, q.device)).transpose(0, 1)
+    ref = prefill_reference(q, cache, table, computed, window, attn)
     # bf16 output and bf16 probabilities (as the VDPBF16PS path and PyTorch's bf16 attention)
     assert (out.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
 

@@ -7,10 +7,10 @@ output rows (one-row calls, decode_stack.cpp) equal the op-by-op path's whole ch
 import pytest
 import torch
 
-from tests.conftest import paged_history
+from tests.conftest import paged_history, prefill_reference
 from tokenmill.kernels import load_cpu_kernels
 from tokenmill.kernels.isa import supported_isas
-from tokenmill.layers.attention import PagedAttention, chunk_mask
+from tokenmill.layers.attention import PagedAttention
 
 pytestmark = pytest.mark.skipif("avx512_bf16" not in supported_isas(),
                                 reason="needs a CPU with AVX512-BF16")
@@ -43,10 +43,7 @@ def test_lanes_prefill_attention_matches_the_reference(lib, d, hq, hk, computed,
     q = torch.randn(new, hq, d).to(torch.bfloat16)
     attn = PagedAttention(hq, hk, d, 0, sliding_window=window)
     out = attend(lib, q, cache, table, computed, window, attn.scale)
-    k, v = cache.gather(0, table[None], torch.bfloat16)
-    ref = attn._sdpa(q.float().transpose(0, 1), k[0, :length].float().transpose(0, 1),
-                     v[0, :length].float().transpose(0, 1),
-                     mask=chunk_mask(computed, new, window, q.device)).transpose(0, 1)
+    ref = prefill_reference(q, cache, table, computed, window, attn)
     # bf16 output and bf16 probabilities (as PyTorch's bf16 attention)
     assert (out.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
 
