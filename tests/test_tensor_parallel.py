@@ -69,6 +69,32 @@ def generate(engine: LLMEngine, prompts, max_tokens=NEW) -> list[list[int]]:
     return [done[i] for i in ids]
 
 
+def greedy_top2(engine: LLMEngine, prompts) -> list[tuple[list[int], list[dict]]]:
+    """Greedy tokens and each step's two best logprobs (token id -> Logprob)."""
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
+    ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
+    return [done[i] for i in ids]
+
+
+def assert_same_or_a_near_tie(one, two, tol: float) -> None:
+    """Greedy runs (greedy_top2) agree, or first differ where each engine's two best tokens
+    are the two tokens in question, within `tol` of each other: a tie tipped by rounding, not a
+    wrong computation."""
+    (a, lpa), (b, lpb) = one, two
+    if a == b:
+        return
+    i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert set(lpa[i]) >= {a[i], b[i]} and set(lpb[i]) >= {a[i], b[i]}, (i, a, b, lpa[i], lpb[i])
+    margins = (lpa[i][a[i]].logprob - lpa[i][b[i]].logprob,
+               lpb[i][b[i]].logprob - lpb[i][a[i]].logprob)
+    assert max(margins) <= tol, f"token {i}: {a[i]} / {b[i]}, margins {margins}, tolerance {tol}"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -259,9 +285,12 @@ def test_quantized_weights_and_kv_shard(tmp_path, quant):
         # rows are codes too: where the row-parallel layers' two partial sums, added in another
         # order than one rank's GEMM adds them, differ in the last bit (~3e-8), a code can round
         # the other way downstream. The portable kernels showed 0.7% of the logits' scale here
-        # (the vector builds 2e-7); greedy tokens must still agree.
+        # (the vector builds 2e-7). Greedy tokens agree, except where such a difference tips a
+        # near tie of these random weights' flat logits (int4 on the AVX2 build: one prompt's
+        # 17th token, 149 against 70).
         assert diff < 0.02 * ref.abs().max(), diff
-        assert generate(two, prompts) == generate(one, prompts)
+        for ours, theirs in zip(greedy_top2(one, prompts), greedy_top2(two, prompts)):
+            assert_same_or_a_near_tie(ours, theirs, 0.02 * ref.abs().max().item())
     finally:
         two.close()
 
