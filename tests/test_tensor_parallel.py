@@ -57,27 +57,26 @@ ARCHS = {
 }
 
 
-def generate(engine: LLMEngine, prompts, max_tokens=NEW) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+def completions(engine: LLMEngine, prompts, params: SamplingParams) -> list:
+    """Each prompt's finished output (CompletionOutput), in the prompts' order."""
     ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+                done[out.request_id] = out.outputs[0]
     return [done[i] for i in ids]
+
+
+def generate(engine: LLMEngine, prompts, max_tokens=NEW) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [c.token_ids for c in completions(engine, prompts, params)]
 
 
 def greedy_top2(engine: LLMEngine, prompts) -> list[tuple[list[int], list[dict]]]:
     """Greedy tokens and each step's two best logprobs (token id -> Logprob)."""
     params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=2)
-    ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = (out.outputs[0].token_ids, out.outputs[0].logprobs)
-    return [done[i] for i in ids]
+    return [(c.token_ids, c.logprobs) for c in completions(engine, prompts, params)]
 
 
 def assert_same_or_a_near_tie(one, two, tol: float) -> None:
