@@ -129,3 +129,17 @@ def test_each_fresh_mapping_first_trims_the_heap(monkeypatch):
     assert len(calls) == 1
     arena.empty(OWN_MAPPING, torch.uint8)
     assert len(calls) == 2
+
+
+def test_a_tensor_is_resident_as_it_is_carved_and_the_rest_of_its_chunk_is_not(monkeypatch):
+    """Its pages are faulted in by one MADV_POPULATE_WRITE call (where the kernel has it), not
+    by the packing threads' first writes; the chunk's untouched part stays unbacked."""
+    monkeypatch.delenv("TOKENMILL_HUGE_PAGES", raising=False)
+    arena = WeightArena()
+    t = arena.empty(3 << 20, torch.uint8)  # 3 MiB of a 32 MiB chunk
+    if not arena.populates:
+        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
+    rss = vma_field(t.data_ptr(), "Rss")
+    assert rss >= 3 << 10  # KiB: resident before anything was written
+    assert rss <= (3 << 10) + 2 * (PAGE >> 10)  # at most the huge pages it touches
+    assert bool((t == 0).all())  # fresh anonymous memory reads as zeros

@@ -14,10 +14,17 @@ the heap holds freed (a load's temporaries, rows dropped once packed: host_memor
 freed memory for reuse), so each new mapping first gives the heap's free pages back to the OS
 (malloc_trim): the default model's start-up peak 443 -> 410 MiB. TOKENMILL_HUGE_PAGES=0 turns this
 off (plain torch.empty); so does a platform without MADV_HUGEPAGE.
+
+Each tensor's pages are faulted in as it is carved, in one madvise(MADV_POPULATE_WRITE) call
+(Linux 5.14+; elsewhere they fault on first write, as before). Faulted one write at a time by
+the packing threads, huge pages made loading the default model slower than 4 KiB pages on a
+2-vCPU Zen 3 (KVM): LLM() 0.77-0.96 s against 0.61-0.74 s; populated, 0.60-0.74 s
+(docs/performance.md, "Stop 64").
 """
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import threading
@@ -30,6 +37,19 @@ PAGE = 2 << 20  # the huge page size on x86-64 and most arm64 kernels
 CHUNK = 32 << 20  # bytes a chunk of small tensors spans
 ALIGN = 64  # bytes: every tensor starts on a cache line, as torch.empty's do
 OWN_MAPPING = CHUNK // 4  # tensors from this size get a mapping of their own
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
+
+
+def _libc_madvise():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+_madvise = _libc_madvise()
 
 
 def enabled() -> bool:
@@ -57,6 +77,7 @@ class WeightArena:
         self._chunk: torch.Tensor | None = None
         self._used = 0
         self.refused = False  # the kernel refused MADV_HUGEPAGE once: plain tensors since
+        self.populates = _madvise is not None  # until the kernel refuses MADV_POPULATE_WRITE
 
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised 1-D tensor of numel elements, in huge pages where possible."""
@@ -74,7 +95,18 @@ class WeightArena:
             if raw is None:
                 self.refused, self._chunk = True, None
                 return torch.empty(numel, dtype=dtype)
-        return raw[:nbytes].view(dtype)
+            raw = raw[:nbytes]
+            self._populate(raw)
+        return raw.view(dtype)
+
+    def _populate(self, t: torch.Tensor) -> None:
+        """Fault in the pages holding t (the whole huge pages it touches) now, in one call."""
+        if not self.populates:
+            return
+        start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+        end = -(-(t.data_ptr() + t.numel()) // mmap.PAGESIZE) * mmap.PAGESIZE
+        if _madvise(start, end - start, MADV_POPULATE_WRITE) != 0:
+            self.populates = False  # an older kernel (EINVAL): pages fault on first write
 
 
 ARENA = WeightArena()
