@@ -16,10 +16,10 @@ freed memory for reuse), so each new mapping first gives the heap's free pages b
 off (plain torch.empty); so does a platform without MADV_HUGEPAGE.
 
 Each tensor's pages are faulted in as it is carved, in one madvise(MADV_POPULATE_WRITE) call
-(Linux 5.14+; elsewhere they fault on first write, as before). Faulted one write at a time by
-the packing threads, huge pages made loading the default model slower than 4 KiB pages on a
-2-vCPU Zen 3 (KVM): LLM() 0.77-0.96 s against 0.61-0.74 s; populated, 0.60-0.74 s
-(docs/performance.md, "Stop 64").
+(Linux 5.14+; elsewhere they fault on first write, as before), not by the packing threads'
+first writes. Loading the default model on a 2-vCPU Zen 3 (KVM), fresh processes alternating:
+LLM() 0.77-0.96 -> 0.60-0.74 s in one series (4 KiB pages: 0.61-0.74), 0.74-0.86 -> 0.68-0.83 s
+in a later one; how much depends on the guest's free memory (docs/performance.md, "Stop 64").
 """
 
 from __future__ import annotations
