@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's llama-bench, llama-batched-bench, llama-server, llama-quantize and the speculative
-# decoding tools (llama-lookup: n-gram / prompt lookup; llama-speculative: draft model) from the sources vendored
+# Build llama.cpp's llama-bench, llama-batched-bench, llama-server, llama-quantize, llama-perplexity,
+# llama-tokenize and the speculative decoding tools (llama-lookup: n-gram / prompt lookup;
+# llama-speculative: draft model) from the sources vendored
 # in the llama-cpp-python sdist (the package index is the only network here). The build is
 # cached: ${TOKENMILL_HOME:-~/.cache/tokenmill}/llama.cpp/build/bin. Takes 10-20 min on 2 cores.
 set -euo pipefail
@@ -22,7 +23,8 @@ if [ -d "$home/build" ] && [ "$(cat "$home/build/native.txt" 2>/dev/null)" != "$
   rm -rf "$home/build"
 fi
 if [ -x "$bin/llama-bench" ] && [ -x "$bin/llama-server" ] && [ -x "$bin/llama-batched-bench" ] \
-    && [ -x "$bin/llama-quantize" ] && [ -x "$bin/llama-lookup" ] && [ -x "$bin/llama-speculative" ]; then
+    && [ -x "$bin/llama-quantize" ] && [ -x "$bin/llama-lookup" ] && [ -x "$bin/llama-speculative" ] \
+    && [ -x "$bin/llama-perplexity" ] && [ -x "$bin/llama-tokenize" ]; then
   echo "$bin"
   exit 0
 fi
@@ -37,6 +39,6 @@ cmake -S src/vendor/llama.cpp -B build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=
   -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=ON \
   -DBUILD_SHARED_LIBS=OFF -DCMAKE_C_FLAGS="$cflags" -DCMAKE_CXX_FLAGS="$cflags" >&2
 cmake --build build -j "$(nproc)" --target llama-bench llama-batched-bench llama-server llama-quantize \
-  llama-lookup llama-speculative >&2
+  llama-lookup llama-speculative llama-perplexity llama-tokenize >&2
 echo "$native" > "$home/build/native.txt"
 echo "$bin"
