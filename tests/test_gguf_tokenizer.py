@@ -137,3 +137,31 @@ def test_merges_are_cached_by_vocabulary(vocabs, tmp_path, monkeypatch):
     other = dataclasses.replace(vocab, scores=[s + 1.0 if i == 500 else s
                                                for i, s in enumerate(vocab.scores)])
     assert cache_path(other.tokens, other.types, other.scores) != path
+
+
+@pytest.mark.parametrize("name", VOCABS)
+def test_string_arrays_read_as_the_gguf_package_reads_them(vocab_dir, name):
+    """gguf_file's string-array loop (the vocabulary, the merges) against the gguf package's
+    reader, element for element."""
+    from gguf import GGUFReader
+
+    from tokenmill.loaders.gguf_file import read_gguf
+
+    ours = read_gguf(str(vocab_dir / name)).fields
+    theirs = GGUFReader(str(vocab_dir / name)).fields
+    keys = [k for k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges") if k in theirs]
+    assert keys
+    for key in keys:
+        field = theirs[key]
+        expected = [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+        assert ours[key] == expected, key
+
+
+def test_a_file_cut_inside_a_string_array_is_a_clear_error(vocab_dir, tmp_path):
+    from tokenmill.loaders.gguf_file import read_gguf
+
+    data = (vocab_dir / VOCABS[0]).read_bytes()
+    for cut in (len(data) // 4, len(data) // 4 + 3):  # inside a string; inside a length
+        (tmp_path / "cut.gguf").write_bytes(data[:cut])
+        with pytest.raises(ValueError, match="runs past the end of the file"):
+            read_gguf(str(tmp_path / "cut.gguf"))

@@ -21,6 +21,7 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # GGUF metadata value types -> (struct format, numpy dtype); 8 = string, 9 = array
+_U64 = struct.Struct("<Q")
 _SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16),
             4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
             10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64)}
@@ -79,6 +80,26 @@ class _Cursor:
         self.pos += n
         return text
 
+    def strings(self, count: int, what: str) -> list[str]:
+        """An array's count strings: string() in one loop with its lookups hoisted (a 49K-token
+        vocabulary and its merges 0.15 -> 0.07 s)."""
+        buf, pos, size, unpack = self.buf, self.pos, self.size, _U64.unpack_from
+        out = []
+        append = out.append
+        for _ in range(count):
+            if pos + 8 > size:
+                break
+            (n,) = unpack(buf, pos)
+            pos += 8
+            if pos + n > size:
+                break
+            append(str(buf[pos:pos + n], "utf-8", "replace"))
+            pos += n
+        self.pos = pos
+        if len(out) < count:
+            self.need(size + 1, what)  # raises: the array runs past the end
+        return out
+
     def value(self, vtype: int, what: str) -> Any:
         if vtype in _SCALARS:
             return self.scalar(_SCALARS[vtype][0], what)
@@ -94,7 +115,7 @@ class _Cursor:
                 return arr.tolist()
             if etype == _STRING:
                 self.need(count * 8, what)  # every string has at least its 8-byte length
-                return [self.string(what) for _ in range(count)]
+                return self.strings(count, what)
             if etype == _ARRAY:
                 return [self.value(_ARRAY, what) for _ in range(count)]
         raise ValueError(f"corrupt: {what} has unknown value type {vtype}")
