@@ -21,10 +21,10 @@ import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 # GGUF metadata value types -> (struct format, numpy dtype); 8 = string, 9 = array
-_U64 = struct.Struct("<Q")
 _SCALARS = {0: ("<B", np.uint8), 1: ("<b", np.int8), 2: ("<H", np.uint16), 3: ("<h", np.int16),
             4: ("<I", np.uint32), 5: ("<i", np.int32), 6: ("<f", np.float32), 7: ("<?", np.bool_),
             10: ("<Q", np.uint64), 11: ("<q", np.int64), 12: ("<d", np.float64)}
+_U64 = struct.Struct("<Q")  # a string's length
 _STRING, _ARRAY = 8, 9
 # tensor types kept as typed arrays (others are bytes, as gguf.quants.dequantize expects)
 _TYPED = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
