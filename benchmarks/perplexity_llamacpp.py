@@ -30,10 +30,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from benchmarks.kv_quality import CODE, TEXT  # noqa: E402
 from benchmarks.quant_formats import llama_bin  # noqa: E402
 
 LLAMA_KV = {"int8": "q8_0", "int4": "q4_0"}  # tokenmill's KV dtype -> llama.cpp's cache type
-TEXTS = [ROOT / "benchmarks" / "data" / name for name in ("mill_essay.txt", "tokenmill_code.txt")]
+TEXTS = [TEXT, CODE]  # kv_quality.py's prose and code
 
 
 def llama_tokens(bin_dir: Path, gguf: str, text: Path) -> list[int]:
