@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 
 logger = logging.getLogger("tokenmill")
@@ -22,12 +23,21 @@ _MMAP_THRESHOLD_MAX = 32 << 20  # glibc's upper limit on 64-bit
 _TRIM_THRESHOLD = 1 << 30
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library, looked up once (find_library runs `ldconfig -p`: ~7 ms a call, and
+    loading calls release_freed_memory once per tensor)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"))
+    except (OSError, TypeError):
+        return None
+
+
 def keep_freed_memory() -> bool:
     """Raise glibc's mmap and trim thresholds; False where there is no glibc mallopt."""
-    name = ctypes.util.find_library("c")
     try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError, TypeError):
+        mallopt = _libc().mallopt
+    except AttributeError:
         return False
     ok = mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX) == 1
     ok = mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1 and ok
@@ -41,6 +51,6 @@ def release_freed_memory() -> bool:
     temporaries (a quantized tensor's codes before repacking, dequantized copies) would
     otherwise stay resident under the raised thresholds. False where there is no glibc."""
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0) == 1
-    except (OSError, AttributeError, TypeError):
+        return _libc().malloc_trim(0) == 1
+    except AttributeError:
         return False
