@@ -44,6 +44,17 @@ def test_q6_k_with_equal_half_scales_is_exact_up_to_the_scale():
     assert np.abs(ours - ref).max() < 2 ** -11 * np.abs(ref).max()
 
 
+def test_q6_k_codes_are_the_file_codes():
+    """The 6-bit codes unpacked as the gguf package reads them: every scale 1 and d = 1."""
+    from tokenmill.quantization.gguf_blocks import _q6_k_codes
+
+    q = random_blocks(Q.Q6_K, 16, 1024, np.random.default_rng(3)).reshape(-1, 210)
+    unit = q.copy()
+    unit[:, 192:208] = 1
+    unit[:, 208:210] = np.array([1.0], np.float16).view(np.uint8)
+    assert np.array_equal(_q6_k_codes(q), dequantize(unit, Q.Q6_K).reshape(-1, 256) + 32)
+
+
 def test_other_types_are_left_to_the_loader():
     assert Q.Q2_K not in NATIVE_TYPES and to_block_quant(np.zeros((1, 84), np.uint8), Q.Q2_K, 1,
                                                          256) is None

@@ -86,28 +86,49 @@ def _k_quant(b: np.ndarray, qtype: int):
     """256-weight K formats: (codes (..., 8 * 32), d, m) per sub-block of 32."""
     d, dmin = _f32(b, 0)[:, None], _f32(b, 2)[:, None]
     sc, mn = _k_scales(b[:, 4:16])
-    qs = b[:, 48:176] if qtype == Q.Q5_K else b[:, 16:144]
-    pairs = qs.reshape(-1, 4, 32)  # 4 x 32 bytes -> sub-blocks (2 i, 2 i + 1)
-    codes = np.stack([pairs & 0xF, pairs >> 4], axis=2).reshape(-1, 8, 32)
+    with warnings.catch_warnings():  # a read-only view of the file: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(b)
+    pairs = t[:, 48:176] if qtype == Q.Q5_K else t[:, 16:144]
+    pairs = pairs.reshape(-1, 4, 1, 32)  # 4 x 32 bytes -> sub-blocks (2 i, 2 i + 1)
+    codes = torch.empty(b.shape[0], 4, 2, 32, dtype=torch.uint8)
+    torch.bitwise_and(pairs, 0xF, out=codes[:, :, :1])
+    torch.bitwise_right_shift(pairs, 4, out=codes[:, :, 1:])
     if qtype == Q.Q5_K:
-        qh = b[:, 16:48]  # bit s of byte j: weight j of sub-block s
-        codes = codes | ((qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1) << 4
-    return codes.reshape(-1, 256), d * sc, -(dmin * mn)
+        qh, codes = t[:, 16:48], codes.view(-1, 8, 32)  # bit s of byte j: weight j of sub-block s
+        for s in range(8):
+            codes[:, s] |= ((qh >> s) & 1) << 4
+    return codes.reshape(-1, 256).numpy(), d * sc, -(dmin * mn)
+
+
+def _q6_k_codes(b: np.ndarray) -> np.ndarray:
+    """Q6_K's 6-bit codes q in [0, 64), (blocks, 256) in weight order. Per half of 128
+    weights, 64 bytes of nibbles and 32 of bit pairs; weight 32 j + l of a half (j < 4,
+    l < 32) takes nibble byte l (j even) or 32 + l (j odd), its low (j < 2) or high half, and
+    bits 2 j, 2 j + 1 of pair byte l (llama.cpp's dequantize_row_q6_K)."""
+    with warnings.catch_warnings():  # a read-only view of the file: only read here
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(b)
+    ql = t[:, :128].reshape(-1, 2, 2, 32)  # (blocks, half, j % 2, l)
+    qh = t[:, 128:192].reshape(-1, 2, 1, 32)
+    q = torch.empty(b.shape[0], 2, 4, 32, dtype=torch.uint8)
+    torch.bitwise_and(ql, 0xF, out=q[:, :, :2])
+    torch.bitwise_right_shift(ql, 4, out=q[:, :, 2:])
+    for j in range(4):
+        q[:, :, j] |= ((qh[:, :, 0] >> (2 * j)) & 3) << 4
+    return q.reshape(-1, 256).numpy()
 
 
 def _q6_k(b: np.ndarray, qtype: int):
     """Q6_K -> 8-bit codes per block of 32 (see the module docstring)."""
-    from gguf.quants import dequantize
-
-    unit = b.copy()  # the gguf package's own bit layout, read with d = 1 and scales = 1
-    unit[:, 192:208] = 1
-    unit[:, 208:210] = np.array([1.0], np.float16).view(np.uint8)
-    q = dequantize(unit, Q.Q6_K).reshape(-1, 8, 2, 16)  # q - 32, (blocks, 32s, halves, 16)
     sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 8, 2)
     big = np.abs(sc[..., 0]) >= np.abs(sc[..., 1])  # which half sets the block's scale
     smax = np.where(big, sc[..., 0], sc[..., 1])
     ratio = np.where(smax[..., None] == 0, 0.0, sc / np.where(smax == 0, 1.0, smax)[..., None])
-    codes = np.clip(np.round(4 * q * ratio[..., None]) + 128, 0, 255)
+    # round(4 (q - 32) ratio) + 128, in place in torch (all threads, no temporaries)
+    x = torch.from_numpy(_q6_k_codes(b)).view(-1, 8, 2, 16).float().sub_(32)
+    x.mul_(torch.from_numpy(4 * ratio.astype(np.float32))[..., None])
+    codes = x.round_().add_(128).clamp_(0, 255).to(torch.uint8).numpy()
     d = _f32(b, 208)[:, None] * smax / 4
     return codes.reshape(-1, 256), d, -128 * d
 
