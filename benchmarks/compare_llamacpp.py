@@ -163,7 +163,7 @@ def main() -> None:
     print(f"tokenmill / llama.cpp: decode {ratios['decode_tok_s']:.2f}x, "
           f"prefill {ratios['prefill_tok_s']:.2f}x")
     print("tokenmill's prefill against each round's own limit: "
-          + ", ".join(f"{p:.0f}% ({li['bf16_gflop_s']:.0f} GFLOP/s)"
+          + ", ".join(f"{p:.0f}% ({max(li['fp32_gflop_s'], li['bf16_gflop_s']):.0f} GFLOP/s)"
                       for p, li in zip(round_pct, limits))
           + f"; median {statistics.median(round_pct):.0f}%")
     print(json.dumps({"benchmark": "compare_llamacpp", "model": args.model,
