@@ -27,11 +27,17 @@ def bench_dir() -> Path:
     return path
 
 
+def model_stem(path: Path) -> str:
+    """A GGUF file's name without ".gguf" and its type: "SmolLM2-135M-Instruct.Q4_1.gguf" ->
+    "SmolLM2-135M-Instruct", "tinyllama-1.1b-random.BF16.gguf" -> "tinyllama-1.1b-random"."""
+    return path.stem.rsplit(".", 1)[0]
+
+
 def bf16_gguf(model: str = DEFAULT_MODEL) -> Path:
     from tokenmill.loaders.resolve import resolve_model
 
     src = Path(resolve_model(model))
-    dst = bench_dir() / (src.stem.split(".")[0] + ".BF16.gguf")
+    dst = bench_dir() / (model_stem(src) + ".BF16.gguf")
     if not dst.exists():
         tmp = dst.with_suffix(".tmp")
         convert(src, tmp)
@@ -69,7 +75,7 @@ def bf16_hf_folder(model: str = DEFAULT_MODEL) -> Path:
     """The same BF16 weights as a Hugging Face folder (safetensors, tokenizer, chat template),
     written by transformers from the BF16 GGUF: for engines that take no GGUF (vLLM)."""
     gguf_path = bf16_gguf(model)
-    dst = bench_dir() / (gguf_path.name.split(".")[0] + "-BF16-hf")
+    dst = bench_dir() / (model_stem(gguf_path) + "-BF16-hf")
     if not (dst / "config.json").exists():
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer

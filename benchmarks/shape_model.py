@@ -21,7 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bf16_model import DEFAULT_MODEL, bench_dir, bf16_gguf  # noqa: E402
+from benchmarks.bf16_model import DEFAULT_MODEL, bench_dir, bf16_gguf, model_stem  # noqa: E402
 
 TENSORS = "tokenmill.shape_model.tensors"
 STEM = "tokenmill.shape_model.stem"  # the real file's name: SmolLM2-135M-Instruct
@@ -54,7 +54,7 @@ def skeleton(dst: Path, model: str = DEFAULT_MODEL) -> None:
     _copy_fields(reader, writer)
     specs = [[t.name, [int(d) for d in reversed(t.shape)]] for t in reader.tensors]
     writer.add_string(TENSORS, json.dumps(specs))
-    writer.add_string(STEM, path.name.split(".")[0])
+    writer.add_string(STEM, model_stem(path))
     _write(writer)
 
 
