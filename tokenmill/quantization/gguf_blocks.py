@@ -70,7 +70,7 @@ def _k_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     low6, nib, top = np.uint32(0x3F3F3F3F), np.uint32(0x0F0F0F0F), np.uint32(0x30303030)
     sc = np.stack([w0 & low6, (w2 & nib) | ((w0 >> 2) & top)], -1)
     mn = np.stack([w1 & low6, ((w2 >> 4) & nib) | ((w1 >> 2) & top)], -1)
-    return (sc.view(np.uint8).astype(np.float32), mn.view(np.uint8).astype(np.float32))
+    return tuple(t.astype("<u4", copy=False).view(np.uint8).astype(np.float32) for t in (sc, mn))
 
 
 def _simple(b: np.ndarray, qtype: int):
@@ -130,9 +130,9 @@ def _q6_k(b: np.ndarray, qtype: int):
     big = np.abs(sc[..., 0]) >= np.abs(sc[..., 1])  # which half sets the block's scale
     smax = np.where(big, sc[..., 0], sc[..., 1])
     ratio = np.where(smax[..., None] == 0, 0.0, sc / np.where(smax == 0, 1.0, smax)[..., None])
-    # round(4 (q - 32) ratio) + 128, in place in torch (all threads, no temporaries)
+    # round(4 (q - 32) ratio) + 128, in place in torch (on all threads)
     x = torch.from_numpy(_q6_k_codes(b)).view(-1, 8, 2, 16).float().sub_(32)
-    x.mul_(torch.from_numpy(4 * ratio.astype(np.float32))[..., None])
+    x.mul_(torch.from_numpy(4 * ratio.astype(np.float32, copy=False))[..., None])  # in float32
     codes = x.round_().add_(128).clamp_(0, 255).to(torch.uint8).numpy()
     d = _f32(b, 208)[:, None] * smax / 4
     return codes.reshape(-1, 256), d, -128 * d
