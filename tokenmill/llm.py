@@ -29,6 +29,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer (vLLM's LLM.get_tokenizer)."""
+        return self.engine.tokenizer
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
