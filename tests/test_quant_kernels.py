@@ -33,6 +33,27 @@ def random_bq(n: int, k: int, bits: int, seed: int = 0) -> BlockQuant:
     return BlockQuant(codes, d, m, bits)
 
 
+@pytest.mark.parametrize("sizes,bits", [([32, 16, 16], (4, 4, 4)), ([48, 16, 37], (4, 5, 8)),
+                                         ([64, 64], (5, 4))])
+def test_fused_parts_pack_as_their_stack(lib, sizes, bits):
+    """Parts packed where they land (a fused q|k|v, gate|up) are byte for byte the packed
+    stack; a part ending inside a group of 16 rows is refused (the loader stacks those)."""
+    from tokenmill.layers.kernel_ops import KernelOps
+
+    parts = [random_bq(n, 96, b, seed=i) for i, (n, b) in enumerate(zip(sizes, bits))]
+    stacked = BlockQuant.cat(parts)
+    want = lib.qpack(stacked.codes, stacked.d, stacked.m, stacked.bits)
+    got = lib.qpack_parts([(p.codes, p.d, p.m) for p in parts], stacked.bits)
+    assert (got.n, got.k, got.bits) == (want.n, want.k, want.bits)
+    assert torch.equal(got.packed, want.packed)
+    assert torch.equal(KernelOps(lib).pack_quantized(parts).packed, want.packed)
+    odd = [random_bq(20, 96, 4), random_bq(16, 96, 4)]
+    with pytest.raises(ValueError, match="whole groups of 16"):
+        lib.qpack_parts([(p.codes, p.d, p.m) for p in odd], 4)
+    fused = KernelOps(lib).pack_quantized(odd)  # stacked first
+    assert torch.equal(lib.qdequantize(fused), BlockQuant.cat(odd).dequantize())
+
+
 @pytest.mark.parametrize("bits", [4, 5, 8])
 def test_pack_round_trip(lib, bits):
     bq = random_bq(37, 96, bits)  # 37 rows: a partial group of 16

@@ -19,6 +19,7 @@ from tokenmill.kernels.weight_arena import ARENA
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
+QUANT_GROUP = 16  # output rows packed together (quant_tiles.h kGroup)
 ABI_VERSION = 19
 _P, _I = c_void_p, c_int64
 
@@ -195,15 +196,32 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
               bias: torch.Tensor | None = None) -> PackedLinear:
         """Block-quantized (n, k) weight w = d * codes + m: codes (n, k) uint8 below 2**bits,
         d and m (n, k / 32) float16, repacked for the kernels."""
-        n, k = codes.shape
-        _check(bits in QUANT_BITS and k % 32 == 0 and codes.dtype == torch.uint8
-               and d.dtype == m.dtype == torch.float16 and d.shape == m.shape == (n, k // 32),
-               f"qpack: ({n}, {k}) {bits}-bit codes with (n, k / 32) float16 scales")
+        return self.qpack_parts([(codes, d, m)], bits, bias)
+
+    def qpack_parts(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                    bits: int, bias: torch.Tensor | None = None) -> PackedLinear:
+        """Parts stacked along the output rows (fused q|k|v, gate|up), each (codes, d, m) as
+        for qpack, packed where they land with no stacked copy: every part but the last must
+        end on a group of 16 rows (the packed form is group after group)."""
+        k = parts[0][0].shape[1]
+        for i, (codes, d, m) in enumerate(parts):
+            n = codes.shape[0]
+            _check(bits in QUANT_BITS and k % 32 == 0 and codes.shape[1] == k
+                   and codes.dtype == torch.uint8 and d.dtype == m.dtype == torch.float16
+                   and d.shape == m.shape == (n, k // 32)
+                   and (i == len(parts) - 1 or n % QUANT_GROUP == 0),
+                   f"qpack: ({n}, {k}) {bits}-bit codes with (n, k / 32) float16 scales "
+                   f"(parts but the last in whole groups of {QUANT_GROUP} rows)")
+        n = sum(codes.shape[0] for codes, _, _ in parts)
         packed = ARENA.empty(self._lib.tm_qpacked_bytes(bits, n, k), torch.uint8)
-        codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
         self._sync_threads()
-        self._lib.tm_qpack(bits, codes.data_ptr(), d.data_ptr(), m.data_ptr(), n, k,
-                           packed.data_ptr())
+        row = 0
+        for codes, d, m in parts:
+            codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
+            at = packed.data_ptr() + self._lib.tm_qpacked_bytes(bits, row, k)
+            self._lib.tm_qpack(bits, codes.data_ptr(), d.data_ptr(), m.data_ptr(),
+                               codes.shape[0], k, at)
+            row += codes.shape[0]
         b = None if bias is None else bias.detach().float().contiguous()
         return PackedLinear(packed, b, n, k, bits)
 

@@ -10,6 +10,7 @@ import contextlib
 import torch
 
 from tokenmill.layers.ops import KERNEL_DTYPES, TorchOps
+from tokenmill.quantization import BlockQuant
 
 
 class KernelOps(TorchOps):
@@ -78,8 +79,15 @@ class KernelOps(TorchOps):
     def quantized_kernels(self) -> bool:
         return self.lib.quant_fast
 
-    def pack_quantized(self, bq):
-        return self.lib.qpack(bq.codes, bq.d, bq.m, bq.bits)
+    def pack_quantized(self, parts: list):
+        """Each part packed where it lands (no stacked copy of the codes) when every part but
+        the last ends on a group of rows; else the stacked parts."""
+        from tokenmill.kernels.lib import QUANT_GROUP
+
+        if any(p.shape[0] % QUANT_GROUP for p in parts[:-1]):
+            parts = [BlockQuant.cat(parts)]
+        return self.lib.qpack_parts([(p.codes, p.d, p.m) for p in parts],
+                                    max(p.bits for p in parts))
 
     def dequantize(self, q, rows=None):
         return self.lib.qdequantize(q, rows)

@@ -21,15 +21,18 @@ from tokenmill.layers import ops
 from tokenmill.quantization import BlockQuant
 
 
-def set_quantized(module: nn.Module, bq: BlockQuant) -> None:
-    """Give module.weight the quantized form `bq` (packed by the module's op implementation)."""
+def set_quantized(module: nn.Module, bq: BlockQuant | list[BlockQuant]) -> None:
+    """Give module.weight the quantized form `bq`, or of its parts stacked along the output
+    rows (same input order; packed by the module's op implementation)."""
+    parts = bq if isinstance(bq, list) else [bq]
     weight = module.weight
-    if tuple(weight.shape) != bq.shape:
-        raise ValueError(f"quantized weight of shape {bq.shape} for a {tuple(weight.shape)} "
+    shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+    if tuple(weight.shape) != shape:
+        raise ValueError(f"quantized weight of shape {shape} for a {tuple(weight.shape)} "
                          f"parameter")
-    weight.quant = module.ops.pack_quantized(bq)
+    weight.quant = module.ops.pack_quantized(parts)
     weight.data = torch.empty(1, dtype=weight.dtype, device=weight.device).expand(weight.shape)
-    module.input_perm = bq.perm
+    module.input_perm = parts[0].perm
 
 
 def quant_of(weight: torch.Tensor):
@@ -83,9 +86,8 @@ class Linear(nn.Module):
             return
         parts = [self._shards[i] for i in sorted(self._shards, key=lambda i: i or 0)]
         self._shards = {}
-        fused = BlockQuant.cat(parts) if all(isinstance(p, BlockQuant) for p in parts) else None
-        if fused is not None:
-            return set_quantized(self, fused)
+        if all(isinstance(p, BlockQuant) for p in parts) and BlockQuant.same_order(parts):
+            return set_quantized(self, parts)
         with torch.no_grad():
             self.weight.copy_(torch.cat([p.dequantize() if isinstance(p, BlockQuant) else p
                                          for p in parts]))

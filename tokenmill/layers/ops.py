@@ -18,6 +18,8 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
+from tokenmill.quantization import BlockQuant
+
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -91,8 +93,9 @@ class TorchOps:
     # dequantizes it for every use
     quantized_kernels = False  # whether quantized weights run faster than dequantized ones
 
-    def pack_quantized(self, bq):
-        return bq
+    def pack_quantized(self, parts: list):
+        """The executable form of BlockQuant parts stacked along the output rows."""
+        return parts[0] if len(parts) == 1 else BlockQuant.cat(parts)
 
     def dequantize(self, q, rows: torch.Tensor | None = None) -> torch.Tensor:
         """A packed quantized weight (or some of its rows) in float32, columns as stored."""

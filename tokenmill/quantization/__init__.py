@@ -71,14 +71,20 @@ class BlockQuant:
         return BlockQuant(self.codes[index], self.d[index], self.m[index], self.bits, self.perm)
 
     @staticmethod
+    def same_order(parts: list[BlockQuant]) -> bool:
+        """Whether the parts store their input columns in the same order (perm)."""
+        perm = parts[0].perm
+        return all((p.perm is None) == (perm is None) and (perm is None or
+                                                           torch.equal(p.perm, perm))
+                   for p in parts)
+
+    @staticmethod
     def cat(parts: list[BlockQuant]) -> BlockQuant | None:
         """Stacked along the output rows (fused q|k|v, gate|up); narrower codes widen to the
         widest part's bits. None when the parts' input orders differ."""
-        perm = parts[0].perm
-        if any((p.perm is None) != (perm is None) or (perm is not None and
-                                                       not torch.equal(p.perm, perm))
-               for p in parts):
+        if not BlockQuant.same_order(parts):
             return None
+        perm = parts[0].perm
         return BlockQuant(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
                           torch.cat([p.m for p in parts]), max(p.bits for p in parts), perm)
 
