@@ -27,11 +27,13 @@ def test_simple_formats_are_exact(qtype):
     assert np.array_equal(bq.dequantize().numpy(), dequantize(q, qtype).astype(np.float32))
 
 
-@pytest.mark.parametrize("qtype,tol", [(Q.Q4_K, 1e-3), (Q.Q5_K, 1e-3), (Q.Q6_K, 1e-2)])
-def test_k_formats_are_close(qtype, tol):
-    q = random_blocks(qtype, 8, 512, np.random.default_rng(1))
+@pytest.mark.parametrize("qtype,tol,rows,cols", [
+    (Q.Q4_K, 1e-3, 8, 512), (Q.Q5_K, 1e-3, 8, 512), (Q.Q6_K, 1e-2, 8, 512),
+    (Q.Q6_K, 1e-2, 40, 16384)])  # 2,560 blocks: more than one of _q6_k's chunks
+def test_k_formats_are_close(qtype, tol, rows, cols):
+    q = random_blocks(qtype, rows, cols, np.random.default_rng(1))
     ref = dequantize(q, qtype).astype(np.float32)
-    ours = to_block_quant(q, qtype, 8, 512).dequantize().numpy()
+    ours = to_block_quant(q, qtype, rows, cols).dequantize().numpy()
     assert np.abs(ours - ref).max() < tol * np.abs(ref).max()
 
 

@@ -124,18 +124,25 @@ def _q6_k_codes(b: np.ndarray) -> np.ndarray:
     return q.reshape(-1, 256).numpy()
 
 
+_Q6_K_CHUNK = 2048  # blocks (512K weights: 2 MiB in float32)
+
+
 def _q6_k(b: np.ndarray, qtype: int):
     """Q6_K -> 8-bit codes per block of 32 (see the module docstring)."""
     sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 8, 2)
     big = np.abs(sc[..., 0]) >= np.abs(sc[..., 1])  # which half sets the block's scale
     smax = np.where(big, sc[..., 0], sc[..., 1])
     ratio = np.where(smax[..., None] == 0, 0.0, sc / np.where(smax == 0, 1.0, smax)[..., None])
-    # round(4 (q - 32) ratio) + 128, in place in torch (on all threads)
-    x = torch.from_numpy(_q6_k_codes(b)).view(-1, 8, 2, 16).float().sub_(32)
-    x.mul_(torch.from_numpy(4 * ratio.astype(np.float32, copy=False))[..., None])  # in float32
-    codes = x.round_().add_(128).clamp_(0, 255).to(torch.uint8).numpy()
+    # round(4 (q - 32) ratio) + 128 in float32, written over q; in chunks of blocks that stay
+    # in cache (one float32 copy of a whole tensor took 4 bytes a weight of fresh memory)
+    codes = torch.from_numpy(_q6_k_codes(b))
+    r4 = torch.from_numpy(4 * ratio.astype(np.float32, copy=False))[..., None]
+    for s in range(0, codes.shape[0], _Q6_K_CHUNK):
+        x = codes[s:s + _Q6_K_CHUNK].view(-1, 8, 2, 16).float().sub_(32)
+        x.mul_(r4[s:s + _Q6_K_CHUNK]).round_().add_(128).clamp_(0, 255)
+        codes[s:s + _Q6_K_CHUNK] = x.view(-1, 256)
     d = _f32(b, 208)[:, None] * smax / 4
-    return codes.reshape(-1, 256), d, -128 * d
+    return codes.numpy(), d, -128 * d
 
 
 _SIMPLE = {Q.Q4_0: (18, 4), Q.Q4_1: (20, 4), Q.Q5_0: (22, 5), Q.Q5_1: (24, 5), Q.Q8_0: (34, 8)}
