@@ -20,7 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from benchmarks.bf16_model import bench_dir, bf16_gguf  # noqa: E402
+from benchmarks.bf16_model import DEFAULT_MODEL, bench_dir, bf16_gguf, model_stem  # noqa: E402
 from benchmarks.compare_llamacpp import llama_bench  # noqa: E402
 
 TEXT = ROOT / "benchmarks" / "data" / "mill_essay.txt"
@@ -33,10 +33,14 @@ def llama_bin() -> Path:
 
 
 def quantized_file(fmt: str, bf16: Path) -> Path:
+    """The BF16 file in format fmt, made by llama-quantize once; the default model's own file
+    for its Q4_1 (its BF16 file was made from it)."""
     if fmt == "Q4_1":
         from tokenmill.loaders.resolve import resolve_model
 
-        return Path(resolve_model("smollm2-135m-instruct"))
+        own = Path(resolve_model(DEFAULT_MODEL))
+        if model_stem(own) == model_stem(bf16):
+            return own
     if fmt == "BF16":
         return bf16
     dst = bench_dir() / bf16.name.replace(".BF16.", f".{fmt}.")

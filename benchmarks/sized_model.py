@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -100,17 +99,9 @@ def bf16_file(name: str, seed: int = 0) -> Path:
 
 
 def quantized_file(name: str, qtype: str) -> Path:
-    from benchmarks.quant_formats import llama_bin
+    from benchmarks.quant_formats import quantized_file as quantize
 
-    src = bf16_file(name)
-    if qtype == "BF16":
-        return src
-    dst = src.with_name(f"{name}-random.{qtype}.gguf")
-    if not dst.exists():
-        subprocess.run([str(llama_bin() / "llama-quantize"), str(src),
-                        str(dst.with_suffix(".tmp")), qtype], check=True, capture_output=True)
-        dst.with_suffix(".tmp").rename(dst)
-    return dst
+    return quantize(qtype, bf16_file(name))
 
 
 def main() -> None:
