@@ -113,3 +113,22 @@ def test_amx_quantized_gemm_matches_the_vector_tiles(emulated, bits):
     if bits == 8:
         emulated.linear(x[:16], layer)
         assert tile_ops(emulated) > before
+
+
+def test_amx_quantized_runs_take_each_their_path(emulated):
+    """A weight in runs of its own code widths (a Q4_K_M file's q|k|v): at 40 rows the 8-bit
+    run runs on int8 tiles (its codes tiled), the 4-bit run on the vector tiles (row by row),
+    in one call; each run's outputs are its part's own alone."""
+    from tests.test_quant_kernels import random_bq
+    from tokenmill.layers.kernel_ops import KernelOps
+
+    parts = [random_bq(32, 128, 4, seed=1), random_bq(29, 128, 8, seed=2)]
+    layer = KernelOps(emulated).pack_quantized(parts)
+    assert layer.runs == [(4, 32), (8, 61)]
+    x = torch.randn(40, 128).to(torch.bfloat16)
+    before = tile_ops(emulated)
+    got = emulated.linear(x, layer, out_fp32=True)
+    assert tile_ops(emulated) > before
+    own = [emulated.linear(x, emulated.qpack(p.codes, p.d, p.m, p.bits), out_fp32=True)
+           for p in parts]
+    assert torch.equal(got, torch.cat(own, dim=1))

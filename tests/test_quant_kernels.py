@@ -34,19 +34,38 @@ def random_bq(n: int, k: int, bits: int, seed: int = 0) -> BlockQuant:
 
 
 @pytest.mark.parametrize("sizes,bits", [([32, 16, 16], (4, 4, 4)), ([48, 16, 37], (4, 5, 8)),
-                                         ([64, 64], (5, 4))])
-def test_fused_parts_pack_as_their_stack(lib, sizes, bits):
-    """Parts packed where they land (a fused q|k|v, gate|up) are byte for byte the packed
-    stack; a part ending inside a group of 16 rows is refused (the loader stacks those)."""
+                                         ([64, 64], (5, 4)), ([32, 32, 16], (4, 4, 8))])
+def test_fused_parts_pack_in_place(lib, sizes, bits):
+    """Parts packed where they land (a fused q|k|v, gate|up), each in its own code width: one
+    width packs byte for byte as the stack; mixed widths make runs of rows (tm_linear.runs)
+    whose outputs are each part's own, bit for bit; a part ending inside a group of 16 rows is
+    refused (the loader stacks those)."""
+    from tokenmill.kernels.lib import PackedLinear
     from tokenmill.layers.kernel_ops import KernelOps
 
     parts = [random_bq(n, 96, b, seed=i) for i, (n, b) in enumerate(zip(sizes, bits))]
     stacked = BlockQuant.cat(parts)
-    want = lib.qpack(stacked.codes, stacked.d, stacked.m, stacked.bits)
-    got = lib.qpack_parts([(p.codes, p.d, p.m) for p in parts], stacked.bits)
-    assert (got.n, got.k, got.bits) == (want.n, want.k, want.bits)
-    assert torch.equal(got.packed, want.packed)
-    assert torch.equal(KernelOps(lib).pack_quantized(parts).packed, want.packed)
+    got = KernelOps(lib).pack_quantized(parts)
+    assert (got.n, got.k, got.bits) == (sum(sizes), 96, max(bits))
+    if len(set(bits)) == 1:
+        want = lib.qpack(stacked.codes, stacked.d, stacked.m, stacked.bits)
+        assert got.runs is None and torch.equal(got.packed, want.packed)
+    else:
+        ends = torch.tensor(sizes).cumsum(0).tolist()
+        runs = [(b, e) for i, (b, e) in enumerate(zip(bits, ends))
+                if i == len(bits) - 1 or bits[i + 1] != b]
+        assert got.runs == runs
+    assert torch.equal(lib.qdequantize(got), stacked.dequantize())
+    idx = torch.tensor([sum(sizes) - 1, 0, 40])
+    assert torch.equal(lib.qdequantize(got, idx), stacked.dequantize()[idx])
+    bias = torch.randn(sum(sizes))
+    layer = PackedLinear(got.packed, bias, got.n, got.k, got.bits, runs=got.runs)
+    ends = torch.tensor([0] + sizes).cumsum(0).tolist()
+    for rows in (1, 5, 70):
+        x = torch.randn(rows, 96).bfloat16()
+        own = torch.cat([lib.linear(x, lib.qpack(p.codes, p.d, p.m, p.bits, bias[a:b]))
+                         for p, a, b in zip(parts, ends, ends[1:])], dim=1)
+        assert torch.equal(lib.linear(x, layer), own)
     odd = [random_bq(20, 96, 4), random_bq(16, 96, 4)]
     with pytest.raises(ValueError, match="whole groups of 16"):
         lib.qpack_parts([(p.codes, p.d, p.m) for p in odd], 4)

@@ -20,14 +20,16 @@ MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
 QUANT_GROUP = 16  # output rows packed together (quant_tiles.h kGroup)
-ABI_VERSION = 19
+ABI_VERSION = 20
+MAX_RUNS = 4  # runs of rows of their own code width in one quantized weight (tm.h TM_MAX_RUNS)
 _P, _I = c_void_p, c_int64
 
 
 class Linear(ctypes.Structure):
     _fields_ = [("packed", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64),
                 ("quant", ctypes.c_int32), ("row_invariant", ctypes.c_int32),
-                ("gated", ctypes.c_int32)]
+                ("gated", ctypes.c_int32), ("runs", ctypes.c_int32),
+                ("run_quant", ctypes.c_int32 * MAX_RUNS), ("run_end", c_int64 * MAX_RUNS)]
 
 
 class Layer(ctypes.Structure):
@@ -101,10 +103,18 @@ class PackedLinear:
     points to."""
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
-                 bits: int = 0, gated: bool = False):
+                 bits: int = 0, gated: bool = False,
+                 runs: list[tuple[int, int]] | None = None):
         self.packed, self.bias, self.n, self.k, self.bits = packed, bias, n, k, bits
         self.gated = gated  # gate|up interleaved: linear() gives silu(gate) x up (pack)
+        # block-quantized rows in runs of their own code width: (bits, end row) each, in order
+        # (bits: the widest); None: all rows `bits`
+        self.runs = runs
         self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k, bits, 0, int(gated))
+        if runs:
+            self.struct.runs = len(runs)
+            for i, (b, end) in enumerate(runs):
+                self.struct.run_quant[i], self.struct.run_end[i] = b, end
 
 
 class KernelLib(KVPageCalls, ElementwiseCalls):
@@ -199,36 +209,58 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         return self.qpack_parts([(codes, d, m)], bits, bias)
 
     def qpack_parts(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                    bits: int, bias: torch.Tensor | None = None) -> PackedLinear:
+                    bits: int | list[int], bias: torch.Tensor | None = None) -> PackedLinear:
         """Parts stacked along the output rows (fused q|k|v, gate|up), each (codes, d, m) as
         for qpack, packed where they land with no stacked copy: every part but the last must
-        end on a group of 16 rows (the packed form is group after group)."""
+        end on a group of 16 rows (the packed form is group after group). `bits`: one width for
+        every part, or each part's own (adjacent parts of one width make one run of rows,
+        tm_linear.runs)."""
         k = parts[0][0].shape[1]
-        for i, (codes, d, m) in enumerate(parts):
+        widths = list(bits) if isinstance(bits, (list, tuple)) else [bits] * len(parts)
+        for i, ((codes, d, m), b) in enumerate(zip(parts, widths, strict=True)):
             n = codes.shape[0]
-            _check(bits in QUANT_BITS and k % 32 == 0 and codes.shape[1] == k
+            _check(b in QUANT_BITS and k % 32 == 0 and codes.shape[1] == k
                    and codes.dtype == torch.uint8 and d.dtype == m.dtype == torch.float16
                    and d.shape == m.shape == (n, k // 32)
                    and (i == len(parts) - 1 or n % QUANT_GROUP == 0),
-                   f"qpack: ({n}, {k}) {bits}-bit codes with (n, k / 32) float16 scales "
+                   f"qpack: ({n}, {k}) {b}-bit codes with (n, k / 32) float16 scales "
                    f"(parts but the last in whole groups of {QUANT_GROUP} rows)")
-        n = sum(codes.shape[0] for codes, _, _ in parts)
-        packed = ARENA.empty(self._lib.tm_qpacked_bytes(bits, n, k), torch.uint8)
-        self._sync_threads()
-        row = 0
-        for codes, d, m in parts:
-            codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
-            at = packed.data_ptr() + self._lib.tm_qpacked_bytes(bits, row, k)
-            self._lib.tm_qpack(bits, codes.data_ptr(), d.data_ptr(), m.data_ptr(),
-                               codes.shape[0], k, at)
+        runs: list[tuple[int, int]] = []  # (bits, end row)
+        row = size = 0
+        for (codes, _, _), b in zip(parts, widths):
             row += codes.shape[0]
+            size += self._lib.tm_qpacked_bytes(b, codes.shape[0], k)
+            if runs and runs[-1][0] == b:
+                runs[-1] = (b, row)
+            else:
+                runs.append((b, row))
+        _check(len(runs) <= MAX_RUNS, f"qpack: at most {MAX_RUNS} runs of one code width")
+        packed = ARENA.empty(size, torch.uint8)
+        self._sync_threads()
+        at = packed.data_ptr()
+        for (codes, d, m), b in zip(parts, widths):
+            codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
+            self._lib.tm_qpack(b, codes.data_ptr(), d.data_ptr(), m.data_ptr(), codes.shape[0],
+                               k, at)
+            at += self._lib.tm_qpacked_bytes(b, codes.shape[0], k)
         b = None if bias is None else bias.detach().float().contiguous()
-        return PackedLinear(packed, b, n, k, bits)
+        return PackedLinear(packed, b, row, k, max(widths), runs=runs if len(runs) > 1 else None)
 
     def qdequantize(self, w: PackedLinear, rows: torch.Tensor | None = None) -> torch.Tensor:
         """A quantized weight's rows (all, or those indexed by `rows`) in float32."""
         idx = None if rows is None else _index(rows)
         _check(w.bits in QUANT_BITS, "qdequantize: a quantized weight")
+        if w.runs:  # each run's rows, then the ones asked for
+            full, at, start = torch.empty(w.n, w.k, dtype=torch.float32), w.packed.data_ptr(), 0
+            for b, end in w.runs:
+                self._sync_threads()
+                self._lib.tm_qdequantize(b, at, end - start, w.k, None, end - start,
+                                         full[start:end].data_ptr())
+                at += self._lib.tm_qpacked_bytes(b, end - start, w.k)
+                start = end
+            _check(idx is None or bool(((idx >= 0) & (idx < w.n)).all()),
+                   f"qdequantize: row indices in [0, {w.n})")
+            return full if idx is None else full[idx]
         count = w.n if idx is None else idx.numel()
         out = torch.empty(count, w.k, dtype=torch.float32)
         self._sync_threads()

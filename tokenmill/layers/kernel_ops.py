@@ -59,7 +59,8 @@ class KernelOps(TorchOps):
         q = getattr(weight, "quant", None)
         if q is not None:  # the codes as packed at load, with this bias
             b = None if bias is None else bias.detach().float().contiguous()
-            return PreparedLinear(PackedLinear(q.packed, b, q.n, q.k, q.bits), NEVER, None)
+            return PreparedLinear(PackedLinear(q.packed, b, q.n, q.k, q.bits, runs=q.runs),
+                                  NEVER, None)
         if weight.device.type != "cpu" or weight.dtype not in KERNEL_DTYPES or weight.dim() != 2:
             return None
         return self.planner.prepare(weight, bias, gated and self.lib.can_gate(weight.shape[0]))
@@ -80,14 +81,15 @@ class KernelOps(TorchOps):
         return self.lib.quant_fast
 
     def pack_quantized(self, parts: list):
-        """Each part packed where it lands (no stacked copy of the codes) when every part but
-        the last ends on a group of rows; else the stacked parts."""
-        from tokenmill.kernels.lib import QUANT_GROUP
+        """Each part packed where it lands (no stacked copy of the codes), in its own code
+        width (a Q4_K_M file's q|k|v: q and k 4-bit, v 8-bit), when every part but the last
+        ends on a group of rows; else the stacked parts in the widest."""
+        from tokenmill.kernels.lib import MAX_RUNS, QUANT_GROUP
 
-        if any(p.shape[0] % QUANT_GROUP for p in parts[:-1]):
+        if any(p.shape[0] % QUANT_GROUP for p in parts[:-1]) or len(parts) > MAX_RUNS:
             parts = [BlockQuant.cat(parts)]
         return self.lib.qpack_parts([(p.codes, p.d, p.m) for p in parts],
-                                    max(p.bits for p in parts))
+                                    [p.bits for p in parts])
 
     def dequantize(self, q, rows=None):
         return self.lib.qdequantize(q, rows)

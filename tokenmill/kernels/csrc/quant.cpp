@@ -79,12 +79,13 @@ void quantize_rows(const T* x, int64_t m, int64_t K, int8_t* xq, float* dx, floa
 }
 
 
-// out rows i .. i + R, group g's outputs: t's rows plus the bias
+// out rows i .. i + R (ldo apart), group g's outputs: t's rows plus the bias
 template <typename O>
-void store_group(const tm_linear* w, O* out, int64_t i, int R, int64_t g, const float (*t)[kGroup]) {
-  const int64_t N = w->n, n = std::min(kGroup, N - g * kGroup);
+void store_group(const tm_linear* w, O* out, int64_t ldo, int64_t i, int R, int64_t g,
+                 const float (*t)[kGroup]) {
+  const int64_t n = std::min(kGroup, w->n - g * kGroup);
   for (int r = 0; r < R; ++r) {
-    O* dst = out + (i + r) * N + g * kGroup;
+    O* dst = out + (i + r) * ldo + g * kGroup;
     for (int64_t o = 0; o < n; o += kLanes) {
       vec v = vload(t[r] + o);
       if (w->bias) v = vadd(v, vload_part(w->bias + g * kGroup + o, std::min<int64_t>(kLanes, n - o)));
@@ -94,9 +95,10 @@ void store_group(const tm_linear* w, O* out, int64_t i, int R, int64_t g, const 
   }
 }
 
+// out (m, w->n; rows ldo apart) = the int8 rows times w (one run of rows: quant_run)
 template <int BITS, typename O>
 void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const tm_linear* w,
-           O* out) {
+           O* out, int64_t ldo) {
   const int64_t N = w->n, K = w->k, groups = (N + kGroup - 1) / kGroup;
   const int64_t gstride = K / kBlock * group_bytes(BITS);
   const auto* wq = static_cast<const uint8_t*>(w->packed);
@@ -104,7 +106,7 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
   if (amx_quant_runs(m, w->row_invariant, w->quant))
     return qgemm_amx<BITS>(xq, dx, sx, m, N, K, wq,
                            [&](int64_t i, int R, int64_t g, const float (*y)[kGroup]) {
-                             store_group(w, out, i, R, g, y);
+                             store_group(w, out, ldo, i, R, g, y);
                            });
 #endif
   parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
@@ -121,11 +123,11 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
           const uint8_t* pf = i == i0 && next < g1 ? wq + next * gstride : nullptr;
           if (pair) {
             tile_pair<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, gstride, y, pf);
-            store_group(w, out, i, R, g, y);
-            store_group(w, out, i, R, g + 1, y + R);
+            store_group(w, out, ldo, i, R, g, y);
+            store_group(w, out, ldo, i, R, g + 1, y + R);
           } else {
             tile<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, y, pf);
-            store_group(w, out, i, R, g, y);
+            store_group(w, out, ldo, i, R, g, y);
           }
         }
         g += pair ? 2 : 1;
@@ -134,33 +136,64 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
   });
 }
 
+// f(run, its first row) for each run of w's rows (tm_linear.runs; a weight of one code width is
+// its own one run)
+template <typename F>
+void for_each_run(const tm_linear* w, const F& f) {
+  if (w->runs == 0) return f(*w, int64_t{0});
+  const auto* p = static_cast<const uint8_t*>(w->packed);
+  int64_t row = 0;
+  for (int s = 0; s < w->runs; ++s) {
+    tm_linear run = *w;
+    run.packed = p, run.n = w->run_end[s] - row, run.quant = w->run_quant[s], run.runs = 0;
+    run.bias = w->bias ? w->bias + row : nullptr;
+    f(run, row);
+    p += tm_qpacked_bytes(run.quant, run.n, w->k);
+    row = w->run_end[s];
+  }
+}
+
 // Rows [0, m) of x on the int8 path: quantized per block of 32, then the integer GEMM.
 void int8_rows(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
                void* out) {
   const int64_t K = w->k, blocks = m * (K / kBlock);
-  thread_local std::vector<int8_t> xq;
-  thread_local std::vector<float> dx, sx;
-#ifdef TM_AMX_QUANT  // the tiles' codes: whole 16-row tiles, rows past m zero
-  const bool tiled = amx_quant_runs(m, w->row_invariant, w->quant);
-#else
-  const bool tiled = false;
-#endif
-  const int64_t rows = tiled ? (m + 15) / 16 * 16 : m;
-  xq.resize(rows * K), dx.resize(rows * (K / kBlock)), sx.resize(rows * (K / kBlock));
-  if (tiled) std::fill(xq.begin() + m / 16 * 16 * K, xq.end(), int8_t{0});
-  std::fill(dx.begin() + blocks, dx.end(), 0.f);
-  std::fill(sx.begin() + blocks, sx.end(), 0.f);
-  if (dtype == TM_F32)
-    quantize_rows(static_cast<const float*>(x), m, K, xq.data(), dx.data(), sx.data(), tiled);
-  else
-    quantize_rows(static_cast<const bf16*>(x), m, K, xq.data(), dx.data(), sx.data(), tiled);
-  auto run = [&](auto* o) {
-    if (w->quant == TM_QI4) qgemm<4>(xq.data(), dx.data(), sx.data(), m, w, o);
-    else if (w->quant == TM_QI5) qgemm<5>(xq.data(), dx.data(), sx.data(), m, w, o);
-    else qgemm<8>(xq.data(), dx.data(), sx.data(), m, w, o);
+  thread_local std::vector<int8_t> xq[2];  // [tiled]
+  thread_local std::vector<float> dx[2], sx[2];
+  bool ready[2] = {false, false};
+  // row by row, or `tiled` for the AMX tiles: whole 16-row tiles, rows past m zero
+  auto quantize = [&](bool tiled) {
+    const int64_t rows = tiled ? (m + 15) / 16 * 16 : m;
+    std::vector<int8_t>& q = xq[tiled];
+    q.resize(rows * K);
+    dx[tiled].resize(rows * (K / kBlock)), sx[tiled].resize(rows * (K / kBlock));
+    if (tiled) std::fill(q.begin() + m / 16 * 16 * K, q.end(), int8_t{0});
+    std::fill(dx[tiled].begin() + blocks, dx[tiled].end(), 0.f);
+    std::fill(sx[tiled].begin() + blocks, sx[tiled].end(), 0.f);
+    if (dtype == TM_F32)
+      quantize_rows(static_cast<const float*>(x), m, K, q.data(), dx[tiled].data(),
+                    sx[tiled].data(), tiled);
+    else
+      quantize_rows(static_cast<const bf16*>(x), m, K, q.data(), dx[tiled].data(),
+                    sx[tiled].data(), tiled);
+    ready[tiled] = true;
   };
-  if (out_dtype == TM_F32) run(static_cast<float*>(out));
-  else run(static_cast<bf16*>(out));
+  for_each_run(w, [&](const tm_linear& run, int64_t row) {
+#ifdef TM_AMX_QUANT
+    const bool tiled = amx_quant_runs(m, run.row_invariant, run.quant);
+#else
+    const bool tiled = false;
+#endif
+    if (!ready[tiled]) quantize(tiled);
+    const int8_t* q = xq[tiled].data();
+    const float *d = dx[tiled].data(), *s = sx[tiled].data();
+    auto go = [&](auto* o) {
+      if (run.quant == TM_QI4) qgemm<4>(q, d, s, m, &run, o + row, w->n);
+      else if (run.quant == TM_QI5) qgemm<5>(q, d, s, m, &run, o + row, w->n);
+      else qgemm<8>(q, d, s, m, &run, o + row, w->n);
+    };
+    if (out_dtype == TM_F32) go(static_cast<float*>(out));
+    else go(static_cast<bf16*>(out));
+  });
 }
 
 void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int out_dtype,
@@ -175,9 +208,11 @@ void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int o
       if (!dense) return int8_rows(dtype, xa, b - a, w, out_dtype, oa);
       const auto* xb = static_cast<const bf16*>(xa);
       auto run = [&](auto* o) {
-        if (w->quant == TM_QI4) qgemm_dequant<4>(xb, b - a, w, o);
-        else if (w->quant == TM_QI5) qgemm_dequant<5>(xb, b - a, w, o);
-        else qgemm_dequant<8>(xb, b - a, w, o);
+        for_each_run(w, [&](const tm_linear& r, int64_t row) {
+          if (r.quant == TM_QI4) qgemm_dequant<4>(xb, b - a, &r, o + row, w->n);
+          else if (r.quant == TM_QI5) qgemm_dequant<5>(xb, b - a, &r, o + row, w->n);
+          else qgemm_dequant<8>(xb, b - a, &r, o + row, w->n);
+        });
       };
       out_dtype == TM_F32 ? run(static_cast<float*>(oa)) : run(static_cast<bf16*>(oa));
     };

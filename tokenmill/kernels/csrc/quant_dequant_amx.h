@@ -71,10 +71,10 @@ void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
   }
 }
 
-// out (m, N) = x (m, K) bf16 . w^T (+ bias), panel by panel (parallel_steal): each dequantized
-// once, then every block of input rows through amx_panel
+// out (m, N; rows ldo apart) = x (m, K) bf16 . w^T (+ bias), panel by panel (parallel_steal):
+// each dequantized once, then every block of input rows through amx_panel
 template <int BITS, typename O>
-void qgemm_dequant(const bf16* x, int64_t m, const tm_linear* w, O* out) {
+void qgemm_dequant(const bf16* x, int64_t m, const tm_linear* w, O* out, int64_t ldo) {
   const int64_t N = w->n, K = w->k, groups = (N + kGroup - 1) / kGroup, panels = (groups + 1) / 2;
   const int64_t gstride = K / kBlock * group_bytes(BITS), pairs = K / 2;
   const int64_t block = std::max<int64_t>(32, (512 << 10) / (K * 2) / 32 * 32);  // rows
@@ -97,7 +97,7 @@ void qgemm_dequant(const bf16* x, int64_t m, const tm_linear* w, O* out) {
         auto emit = [&](const float (*res)[kPanel], int64_t row, int64_t n) {
           for (int64_t i = 0; i < n; ++i)
             store_tile<1>(*reinterpret_cast<const float(*)[1][kPanel]>(res + i),
-                          w->bias ? w->bias + n0 : nullptr, out + (r0 + row + i) * N + n0, N,
+                          w->bias ? w->bias + n0 : nullptr, out + (r0 + row + i) * ldo + n0, ldo,
                           cols, false);
         };
         amx_panel(std::min(block, m - r0), x + r0 * K, K, panel.data(), pairs, pad.data(), emit);

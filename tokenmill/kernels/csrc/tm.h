@@ -18,7 +18,8 @@ extern "C" {
 enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 19
+#define TM_ABI_VERSION 20
+#define TM_MAX_RUNS 4
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
  * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
@@ -33,6 +34,12 @@ typedef struct {
   /* 1: the rows were packed gate and up interleaved, tm_panel_rows() / 2 at a time (n: both);
    * the output is silu(gate) x up, (m, n / 2) */
   int32_t gated;
+  /* Block-quantized rows in runs of their own code width (a fused q|k|v whose v has more bits
+   * than q and k): run s holds rows [run_end[s - 1], run_end[s]) in run_quant[s]'s layout,
+   * packed right after run s - 1 (tm_qpacked_bytes); runs 0: all rows in `quant` */
+  int32_t runs;
+  int32_t run_quant[TM_MAX_RUNS];
+  int64_t run_end[TM_MAX_RUNS];
 } tm_linear;
 
 /* One decoder layer, named as in models/llama.py. Norm weights are in the model's dtype;
