@@ -201,17 +201,17 @@ def test_quantized_kv_decode_attention(harness, tmp_path, fmt):
     assert (got - ref).abs().max().item() / ref.abs().max().item() < INTEGER_TOL
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("fmt", [4, 5, 8, "4s", "5s", "8s"])  # "s": symmetric, d alone packed
 @pytest.mark.parametrize("rows", [1, 9])  # one tile, two
-def test_quantized_linear(harness, tmp_path, bits, rows):
-    from tokenmill.quantization import BlockQuant, linear_ref
+def test_quantized_linear(harness, tmp_path, fmt, rows):
+    from tests.test_quant_kernels import random_bq
+    from tokenmill.kernels.lib import QSYM
+    from tokenmill.quantization import linear_ref
 
-    g = torch.Generator().manual_seed(2)
-    bq = BlockQuant(torch.randint(0, 1 << bits, (24, 96), generator=g, dtype=torch.uint8),
-                    (torch.rand(24, 3, generator=g) * 0.1).half(),
-                    (torch.randn(24, 3, generator=g) * 0.3).half(), bits)
+    bq = random_bq(24, 96, fmt, seed=2)
+    quant = bq.bits | (QSYM if str(fmt).endswith("s") else 0)
     x = torch.randn(rows, 96)
-    got = call(harness, tmp_path, "qlinear", [bits, 24, 96, rows, 0, 0],
+    got = call(harness, tmp_path, "qlinear", [quant, 24, 96, rows, 0, 0],
                [bq.codes, bq.d.view(torch.int16), bq.m.view(torch.int16), x], torch.float32,
                (rows, 24))
     close(got, linear_ref(x, bq))

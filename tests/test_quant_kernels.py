@@ -25,41 +25,60 @@ def lib(request):
     return load_cpu_kernels(request.param)
 
 
-def random_bq(n: int, k: int, bits: int, seed: int = 0) -> BlockQuant:
+# code widths, and the symmetric forms ("4s": m = -8 d in every block, as GGUF's Q4_0; packed
+# with d alone, QSYM)
+FORMATS = [4, 5, 8, "4s", "5s", "8s"]
+
+
+def random_bq(n: int, k: int, fmt: int | str, seed: int = 0) -> BlockQuant:
+    bits, sym = int(str(fmt).rstrip("s")), str(fmt).endswith("s")
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
     d = (torch.rand(n, k // 32, generator=g) * 0.1).half()
-    m = (torch.randn(n, k // 32, generator=g) * 0.3).half()
+    m = d * -(1 << (bits - 1)) if sym else (torch.randn(n, k // 32, generator=g) * 0.3).half()
     return BlockQuant(codes, d, m, bits)
 
 
-@pytest.mark.parametrize("sizes,bits", [([32, 16, 16], (4, 4, 4)), ([48, 16, 37], (4, 5, 8)),
-                                         ([64, 64], (5, 4)), ([32, 32, 16], (4, 4, 8))])
-def test_fused_parts_pack_in_place(lib, sizes, bits):
-    """Parts packed where they land (a fused q|k|v, gate|up), each in its own code width: one
-    width packs byte for byte as the stack; mixed widths make runs of rows (tm_linear.runs)
-    whose outputs are each part's own, bit for bit; a part ending inside a group of 16 rows is
-    refused (the loader stacks those)."""
-    from tokenmill.kernels.lib import PackedLinear
+def check_packed_form(layer, fmt) -> None:
+    """The layer packed as fmt says: per group of 16 rows and block of 32 columns, 16 float16 d
+    (symmetric) or 16 d and 16 m, then the codes."""
+    from tokenmill.kernels.lib import QSYM
+
+    sym = str(fmt).endswith("s")
+    assert layer.quant == layer.bits | (QSYM if sym else 0)
+    block = (32 if sym else 64) + {4: 256, 5: 320, 8: 512}[layer.bits]
+    assert layer.packed.numel() == (layer.n + 15) // 16 * (layer.k // 32) * block
+
+
+@pytest.mark.parametrize("sizes,fmts", [([32, 16, 16], (4, 4, 4)), ([48, 16, 37], (4, 5, 8)),
+                                         ([64, 64], (5, 4)), ([32, 32, 16], (4, 4, 8)),
+                                         ([32, 16, 16], ("8s", "8s", 8))])
+def test_fused_parts_pack_in_place(lib, sizes, fmts):
+    """Parts packed where they land (a fused q|k|v, gate|up), each in its own form: one form
+    packs byte for byte as the stack; mixed widths (or symmetric beside not) make runs of rows
+    (tm_linear.runs) whose outputs are each part's own, bit for bit; a part ending inside a
+    group of 16 rows is refused (the loader stacks those)."""
+    from tokenmill.kernels.lib import QSYM, PackedLinear
     from tokenmill.layers.kernel_ops import KernelOps
 
-    parts = [random_bq(n, 96, b, seed=i) for i, (n, b) in enumerate(zip(sizes, bits))]
+    parts = [random_bq(n, 96, f, seed=i) for i, (n, f) in enumerate(zip(sizes, fmts))]
     stacked = BlockQuant.cat(parts)
     got = KernelOps(lib).pack_quantized(parts)
-    assert (got.n, got.k, got.bits) == (sum(sizes), 96, max(bits))
-    if len(set(bits)) == 1:
+    quants = [p.bits | (QSYM if str(f).endswith("s") else 0) for p, f in zip(parts, fmts)]
+    assert (got.n, got.k, got.bits) == (sum(sizes), 96, max(p.bits for p in parts))
+    if len(set(quants)) == 1:
         want = lib.qpack(stacked.codes, stacked.d, stacked.m, stacked.bits)
         assert got.runs is None and torch.equal(got.packed, want.packed)
     else:
         ends = torch.tensor(sizes).cumsum(0).tolist()
-        runs = [(b, e) for i, (b, e) in enumerate(zip(bits, ends))
-                if i == len(bits) - 1 or bits[i + 1] != b]
+        runs = [(q, e) for i, (q, e) in enumerate(zip(quants, ends))
+                if i == len(quants) - 1 or quants[i + 1] != q]
         assert got.runs == runs
     assert torch.equal(lib.qdequantize(got), stacked.dequantize())
     idx = torch.tensor([sum(sizes) - 1, 0, 40])
     assert torch.equal(lib.qdequantize(got, idx), stacked.dequantize()[idx])
     bias = torch.randn(sum(sizes))
-    layer = PackedLinear(got.packed, bias, got.n, got.k, got.bits, runs=got.runs)
+    layer = PackedLinear(got.packed, bias, got.n, got.k, got.quant, runs=got.runs)
     ends = torch.tensor([0] + sizes).cumsum(0).tolist()
     for rows in (1, 5, 70):
         x = torch.randn(rows, 96).bfloat16()
@@ -73,10 +92,11 @@ def test_fused_parts_pack_in_place(lib, sizes, bits):
     assert torch.equal(lib.qdequantize(fused), BlockQuant.cat(odd).dequantize())
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
-def test_pack_round_trip(lib, bits):
-    bq = random_bq(37, 96, bits)  # 37 rows: a partial group of 16
-    packed = lib.qpack(bq.codes, bq.d, bq.m, bits)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_pack_round_trip(lib, fmt):
+    bq = random_bq(37, 96, fmt)  # 37 rows: a partial group of 16
+    packed = lib.qpack(bq.codes, bq.d, bq.m, bq.bits)
+    check_packed_form(packed, fmt)
     assert torch.equal(lib.qdequantize(packed), bq.dequantize())
     rows = torch.tensor([36, 0, 17, 17])
     assert torch.equal(lib.qdequantize(packed, rows), bq.dequantize()[rows])
@@ -85,15 +105,16 @@ def test_pack_round_trip(lib, bits):
             lib.qdequantize(packed, torch.tensor([0, bad]))
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # 1-8 rows: one tile; 9, 17: several; 70: two row chunks of 64
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 70])
-def test_quantized_linear(lib, bits, dtype, rows):
-    bq = random_bq(45, 576, bits, seed=rows)
+def test_quantized_linear(lib, fmt, dtype, rows):
+    bq = random_bq(45, 576, fmt, seed=rows)
     g = torch.Generator().manual_seed(rows)  # not the global RNG: its state depends on the order
     bias = torch.randn(45, generator=g)
-    layer = lib.qpack(bq.codes, bq.d, bq.m, bits, bias)
+    layer = lib.qpack(bq.codes, bq.d, bq.m, bq.bits, bias)
+    check_packed_form(layer, fmt)
     x = (torch.randn(rows, 576, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(dtype)
     x[0, :32] = 0  # an all-zero block
     want = linear_ref(x, bq, bias)
@@ -108,18 +129,20 @@ def test_quantized_linear(lib, bits, dtype, rows):
     assert ((got.float() - exact).norm() / exact.norm()).item() < 0.02
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_integer_sums_at_their_bound(lib, bits, sign):
+def test_integer_sums_at_their_bound(lib, fmt, sign):
     """The largest codes against activations all at +-127 (a constant block): where a kernel's
     narrow integer partial sums (AVX2 adds pair sums in int16) would overflow first."""
     n, k = 32, 128
+    bits = random_bq(16, 32, fmt).bits
     codes = torch.full((n, k), (1 << bits) - 1, dtype=torch.uint8)
     codes[1::2, ::3] = 0  # and a few rows mixing both ends
     d = torch.full((n, k // 32), 1e-3).half()
-    m = torch.full((n, k // 32), -1e-2).half()
+    m = d * -(1 << (bits - 1)) if str(fmt).endswith("s") else torch.full((n, k // 32), -1e-2).half()
     bq = BlockQuant(codes, d, m, bits)
     layer = lib.qpack(bq.codes, bq.d, bq.m, bits)
+    check_packed_form(layer, fmt)
     x = torch.full((5, k), sign * 3.0)  # quantizes to +-127 in every position
     x[3] = -x[3]
     want = linear_ref(x, bq, None)
@@ -127,16 +150,17 @@ def test_integer_sums_at_their_bound(lib, bits, sign):
     assert (got - want).abs().max().item() < 2e-5 * want.abs().max().item()
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
-def test_a_row_does_not_depend_on_the_other_rows(lib, bits):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_row_does_not_depend_on_the_other_rows(lib, fmt):
     """Each output is computed the same whatever tile its row lands in (row tiles of 1-8 rows,
     one group or two; on AMX, 16-row int8 tiles from 64 rows on, 8-bit codes from 16, the last
     tile partial): what
     keeps speculative decoding's verify rows, which share a step, exactly equal to decoding
     alone on quantized weights."""
-    bq = random_bq(77, 256, bits, seed=5)  # 5 groups, the last partial
+    bq = random_bq(77, 256, fmt, seed=5)  # 5 groups, the last partial
     bias = torch.randn(77, generator=torch.Generator().manual_seed(5))
-    layer = lib.qpack(bq.codes, bq.d, bq.m, bits, bias)
+    layer = lib.qpack(bq.codes, bq.d, bq.m, bq.bits, bias)
+    check_packed_form(layer, fmt)
     x = torch.randn(130, 256).to(torch.bfloat16)
     for out_fp32 in (True, False):
         alone = torch.cat([lib.linear(x[i:i + 1], layer, out_fp32=out_fp32) for i in range(130)])
@@ -192,16 +216,17 @@ def test_bad_quantized_weights_are_refused(lib):
         lib.qpack(bq.codes, bq.d.float(), bq.m, 4)
 
 
-@pytest.mark.parametrize("bits", [4, 5, 8])
-def test_prompt_rows_on_the_dequantized_weights(lib, bits):
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_prompt_rows_on_the_dequantized_weights(lib, fmt):
     """Rows named as prompt tokens: on the AMX build bf16 rows times the weights dequantized to
     bf16, float32 sums (no int8 activations); every other row, and every row elsewhere, the
     int8 path's bits. Either way a row's bits do not depend on the rows beside it, nor on how
     the ranges split (chunked prompts)."""
-    bq = random_bq(77, 256, bits, seed=7)
+    bq = random_bq(77, 256, fmt, seed=7)
     g = torch.Generator().manual_seed(7)
     bias = torch.randn(77, generator=g)
-    layer = lib.qpack(bq.codes, bq.d, bq.m, bits, bias)
+    layer = lib.qpack(bq.codes, bq.d, bq.m, bq.bits, bias)
+    check_packed_form(layer, fmt)
     x = torch.randn(130, 256, generator=g).to(torch.bfloat16)
     ranges = [(3, 41), (41, 45), (70, 130)]
     prompt = torch.zeros(130, dtype=torch.bool)

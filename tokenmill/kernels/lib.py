@@ -19,8 +19,9 @@ from tokenmill.kernels.weight_arena import ARENA
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
+QSYM = 16  # tm.h TM_QSYM: added to the bits where every m = -2**(bits - 1) d (stored: d alone)
 QUANT_GROUP = 16  # output rows packed together (quant_tiles.h kGroup)
-ABI_VERSION = 20
+ABI_VERSION = 21
 MAX_RUNS = 4  # runs of rows of their own code width in one quantized weight (tm.h TM_MAX_RUNS)
 _P, _I = c_void_p, c_int64
 
@@ -98,19 +99,20 @@ _SIGNATURES = {
 
 
 class PackedLinear:
-    """A weight in the library's panel layout (or block-quantized with `bits` 4 / 5 / 8, see
-    tm_qpack) plus its float32 bias, as the C struct reads it; holds the tensors the struct
-    points to."""
+    """A weight in the library's panel layout (or block-quantized: `quant` 4 / 5 / 8 code bits,
+    plus QSYM where m is implied, see tm_qpack; `bits` the code bits) plus its float32 bias, as
+    the C struct reads it; holds the tensors the struct points to."""
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
-                 bits: int = 0, gated: bool = False,
+                 quant: int = 0, gated: bool = False,
                  runs: list[tuple[int, int]] | None = None):
-        self.packed, self.bias, self.n, self.k, self.bits = packed, bias, n, k, bits
+        self.packed, self.bias, self.n, self.k, self.quant = packed, bias, n, k, quant
+        self.bits = quant & ~QSYM
         self.gated = gated  # gate|up interleaved: linear() gives silu(gate) x up (pack)
-        # block-quantized rows in runs of their own code width: (bits, end row) each, in order
-        # (bits: the widest); None: all rows `bits`
+        # block-quantized rows in runs of their own quant code: (quant, end row) each, in
+        # order (quant: the widest run's); None: all rows `quant`
         self.runs = runs
-        self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k, bits, 0, int(gated))
+        self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k, quant, 0, int(gated))
         if runs:
             self.struct.runs = len(runs)
             for i, (b, end) in enumerate(runs):
@@ -225,26 +227,28 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
                    and (i == len(parts) - 1 or n % QUANT_GROUP == 0),
                    f"qpack: ({n}, {k}) {b}-bit codes with (n, k / 32) float16 scales "
                    f"(parts but the last in whole groups of {QUANT_GROUP} rows)")
-        runs: list[tuple[int, int]] = []  # (bits, end row)
+        quants = [b | QSYM if _symmetric(d, m, b) else b for (_, d, m), b in zip(parts, widths)]
+        runs: list[tuple[int, int]] = []  # (quant, end row)
         row = size = 0
-        for (codes, _, _), b in zip(parts, widths):
+        for (codes, _, _), q in zip(parts, quants):
             row += codes.shape[0]
-            size += self._lib.tm_qpacked_bytes(b, codes.shape[0], k)
-            if runs and runs[-1][0] == b:
-                runs[-1] = (b, row)
+            size += self._lib.tm_qpacked_bytes(q, codes.shape[0], k)
+            if runs and runs[-1][0] == q:
+                runs[-1] = (q, row)
             else:
-                runs.append((b, row))
-        _check(len(runs) <= MAX_RUNS, f"qpack: at most {MAX_RUNS} runs of one code width")
+                runs.append((q, row))
+        _check(len(runs) <= MAX_RUNS, f"qpack: at most {MAX_RUNS} runs of one quant code")
         packed = ARENA.empty(size, torch.uint8)
         self._sync_threads()
         at = packed.data_ptr()
-        for (codes, d, m), b in zip(parts, widths):
+        for (codes, d, m), q in zip(parts, quants):
             codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
-            self._lib.tm_qpack(b, codes.data_ptr(), d.data_ptr(), m.data_ptr(), codes.shape[0],
+            self._lib.tm_qpack(q, codes.data_ptr(), d.data_ptr(), m.data_ptr(), codes.shape[0],
                                k, at)
-            at += self._lib.tm_qpacked_bytes(b, codes.shape[0], k)
+            at += self._lib.tm_qpacked_bytes(q, codes.shape[0], k)
         b = None if bias is None else bias.detach().float().contiguous()
-        return PackedLinear(packed, b, row, k, max(widths), runs=runs if len(runs) > 1 else None)
+        widest = max(quants, key=lambda q: q & ~QSYM)
+        return PackedLinear(packed, b, row, k, widest, runs=runs if len(runs) > 1 else None)
 
     def qdequantize(self, w: PackedLinear, rows: torch.Tensor | None = None) -> torch.Tensor:
         """A quantized weight's rows (all, or those indexed by `rows`) in float32."""
@@ -252,11 +256,11 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         _check(w.bits in QUANT_BITS, "qdequantize: a quantized weight")
         if w.runs:  # each run's rows, then the ones asked for
             full, at, start = torch.empty(w.n, w.k, dtype=torch.float32), w.packed.data_ptr(), 0
-            for b, end in w.runs:
+            for q, end in w.runs:
                 self._sync_threads()
-                self._lib.tm_qdequantize(b, at, end - start, w.k, None, end - start,
+                self._lib.tm_qdequantize(q, at, end - start, w.k, None, end - start,
                                          full[start:end].data_ptr())
-                at += self._lib.tm_qpacked_bytes(b, end - start, w.k)
+                at += self._lib.tm_qpacked_bytes(q, end - start, w.k)
                 start = end
             _check(idx is None or bool(((idx >= 0) & (idx < w.n)).all()),
                    f"qdequantize: row indices in [0, {w.n})")
@@ -264,7 +268,7 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         count = w.n if idx is None else idx.numel()
         out = torch.empty(count, w.k, dtype=torch.float32)
         self._sync_threads()
-        _check(self._lib.tm_qdequantize(w.bits, w.packed.data_ptr(), w.n, w.k, _ptr(idx), count,
+        _check(self._lib.tm_qdequantize(w.quant, w.packed.data_ptr(), w.n, w.k, _ptr(idx), count,
                                         out.data_ptr()) == 0,
                f"qdequantize: row indices in [0, {w.n})")
         return out
@@ -368,6 +372,12 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
                                   0 if ranges is None else ranges.numel() // 2, _ptr(outs),
                                   0 if outs is None else outs.numel())
         return x if outs is None else x[:outs.numel()]
+
+
+def _symmetric(d: torch.Tensor, m: torch.Tensor, bits: int) -> bool:
+    """Whether every block's m is -2**(bits - 1) d (GGUF's Q4_0, Q5_0, Q8_0; exact in float16:
+    a power of two times d)."""
+    return torch.equal(m, d * -(1 << (bits - 1)))
 
 
 def _row_ranges(ranges: list[tuple[int, int]] | None, rows: int) -> torch.Tensor | None:

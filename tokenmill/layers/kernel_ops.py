@@ -59,7 +59,7 @@ class KernelOps(TorchOps):
         q = getattr(weight, "quant", None)
         if q is not None:  # the codes as packed at load, with this bias
             b = None if bias is None else bias.detach().float().contiguous()
-            return PreparedLinear(PackedLinear(q.packed, b, q.n, q.k, q.bits, runs=q.runs),
+            return PreparedLinear(PackedLinear(q.packed, b, q.n, q.k, q.quant, runs=q.runs),
                                   NEVER, None)
         if weight.device.type != "cpu" or weight.dtype not in KERNEL_DTYPES or weight.dim() != 2:
             return None

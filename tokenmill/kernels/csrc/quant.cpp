@@ -4,7 +4,8 @@
 // The form: weight w[o][k] = d * c + m with an unsigned code c of 4, 5 or 8 bits and one float16
 // (d, m) per output row and block of 32 k (Q4_0: m = -8 d; Q8_0: c = q + 128, m = -128 d).
 // Repacked at load (tm_qpack) into groups of 16 output rows, so that one 64-byte vector holds
-// 4 consecutive k of 16 outputs; per (group, block): 16 d, 16 m (float16), then the codes:
+// 4 consecutive k of 16 outputs; per (group, block): 16 d, 16 m (float16; a symmetric weight,
+// TM_QSYM, m = -2^(bits - 1) d for every block: the 16 d alone), then the codes:
 //   4 bits  4 chunks of 64 bytes; byte 4 o + t of chunk j: code k = 4 j + t (low nibble) and
 //           k = 16 + 4 j + t (high nibble) of output o
 //   5 bits  the 4-bit chunks, then 8 words of 64 bits: bit p of word 2 j (2 j + 1) is the
@@ -16,6 +17,8 @@
 // block and output sum_k c * q is exact in int32 (VPDPBUSD: unsigned codes x signed int8,
 // 4 products per lane) and y += d dx sum(c q) + m dx sum(q). 16 outputs per vector, so no
 // horizontal sums; the codes of a group are read once for up to 8 input rows.
+#include <type_traits>
+
 #include "internal.h"
 #include "quant_tiles.h"
 #include "tm.h"
@@ -96,15 +99,15 @@ void store_group(const tm_linear* w, O* out, int64_t ldo, int64_t i, int R, int6
 }
 
 // out (m, w->n; rows ldo apart) = the int8 rows times w (one run of rows: quant_run)
-template <int BITS, typename O>
+template <int Q, typename O>
 void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const tm_linear* w,
            O* out, int64_t ldo) {
   const int64_t N = w->n, K = w->k, groups = (N + kGroup - 1) / kGroup;
-  const int64_t gstride = K / kBlock * group_bytes(BITS);
+  const int64_t gstride = K / kBlock * group_bytes(Q);
   const auto* wq = static_cast<const uint8_t*>(w->packed);
 #ifdef TM_AMX_QUANT
   if (amx_quant_runs(m, w->row_invariant, w->quant))
-    return qgemm_amx<BITS>(xq, dx, sx, m, N, K, wq,
+    return qgemm_amx<Q>(xq, dx, sx, m, N, K, wq,
                            [&](int64_t i, int R, int64_t g, const float (*y)[kGroup]) {
                              store_group(w, out, ldo, i, R, g, y);
                            });
@@ -122,11 +125,11 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
           const int64_t bi = i * (K / kBlock), next = g + (pair ? 2 : 1);
           const uint8_t* pf = i == i0 && next < g1 ? wq + next * gstride : nullptr;
           if (pair) {
-            tile_pair<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, gstride, y, pf);
+            tile_pair<Q>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, gstride, y, pf);
             store_group(w, out, ldo, i, R, g, y);
             store_group(w, out, ldo, i, R, g + 1, y + R);
           } else {
-            tile<BITS>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, y, pf);
+            tile<Q>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, y, pf);
             store_group(w, out, ldo, i, R, g, y);
           }
         }
@@ -134,6 +137,19 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
       }
     }
   });
+}
+
+// f(std::integral_constant<int, quant>) for a weight's quant code (tm.h)
+template <typename F>
+void with_quant(int quant, const F& f) {
+  switch (quant) {
+    case TM_QI4: return f(std::integral_constant<int, TM_QI4>());
+    case TM_QI5: return f(std::integral_constant<int, TM_QI5>());
+    case TM_QI8: return f(std::integral_constant<int, TM_QI8>());
+    case TM_QI4 | TM_QSYM: return f(std::integral_constant<int, TM_QI4 | TM_QSYM>());
+    case TM_QI5 | TM_QSYM: return f(std::integral_constant<int, TM_QI5 | TM_QSYM>());
+    default: return f(std::integral_constant<int, TM_QI8 | TM_QSYM>());
+  }
 }
 
 // f(run, its first row) for each run of w's rows (tm_linear.runs; a weight of one code width is
@@ -187,9 +203,7 @@ void int8_rows(int dtype, const void* x, int64_t m, const tm_linear* w, int out_
     const int8_t* q = xq[tiled].data();
     const float *d = dx[tiled].data(), *s = sx[tiled].data();
     auto go = [&](auto* o) {
-      if (run.quant == TM_QI4) qgemm<4>(q, d, s, m, &run, o + row, w->n);
-      else if (run.quant == TM_QI5) qgemm<5>(q, d, s, m, &run, o + row, w->n);
-      else qgemm<8>(q, d, s, m, &run, o + row, w->n);
+      with_quant(run.quant, [&](auto Q) { qgemm<Q()>(q, d, s, m, &run, o + row, w->n); });
     };
     if (out_dtype == TM_F32) go(static_cast<float*>(out));
     else go(static_cast<bf16*>(out));
@@ -209,9 +223,7 @@ void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int o
       const auto* xb = static_cast<const bf16*>(xa);
       auto run = [&](auto* o) {
         for_each_run(w, [&](const tm_linear& r, int64_t row) {
-          if (r.quant == TM_QI4) qgemm_dequant<4>(xb, b - a, &r, o + row, w->n);
-          else if (r.quant == TM_QI5) qgemm_dequant<5>(xb, b - a, &r, o + row, w->n);
-          else qgemm_dequant<8>(xb, b - a, &r, o + row, w->n);
+          with_quant(r.quant, [&](auto Q) { qgemm_dequant<Q()>(xb, b - a, &r, o + row, w->n); });
         });
       };
       out_dtype == TM_F32 ? run(static_cast<float*>(oa)) : run(static_cast<bf16*>(oa));
@@ -235,15 +247,16 @@ extern "C" {
 
 int tm_quant_fast(void) { return tm::kFastQuant; }
 
-int64_t tm_qpacked_bytes(int bits, int64_t n, int64_t k) {
-  return (n + tm::kGroup - 1) / tm::kGroup * (k / tm::kBlock) * tm::group_bytes(bits);
+int64_t tm_qpacked_bytes(int quant, int64_t n, int64_t k) {
+  return (n + tm::kGroup - 1) / tm::kGroup * (k / tm::kBlock) * tm::group_bytes(quant);
 }
 
-void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const uint16_t* m, int64_t n,
+void tm_qpack(int quant, const uint8_t* codes, const uint16_t* d, const uint16_t* m, int64_t n,
               int64_t k, uint8_t* out) {
   using namespace tm;
   const int64_t blocks = k / kBlock, groups = (n + kGroup - 1) / kGroup;
-  const int64_t gbytes = group_bytes(bits);
+  const int64_t gbytes = group_bytes(quant), at = scale_bytes(quant);
+  const int bits = qbits(quant);
   parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
       uint8_t* grp = out + g * blocks * gbytes;
@@ -254,9 +267,9 @@ void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const uint16_t*
           uint8_t* blk = grp + b * gbytes;
           auto* h = reinterpret_cast<uint16_t*>(blk);
           h[o] = d[row * blocks + b];
-          h[kGroup + o] = m[row * blocks + b];
+          if (!qsym(quant)) h[kGroup + o] = m[row * blocks + b];
           const uint8_t* c = codes + row * k + b * kBlock;
-          uint8_t* q = blk + 64 + 4 * o;  // chunk j's 4 bytes of output o: q[64 j + t]
+          uint8_t* q = blk + at + 4 * o;  // chunk j's 4 bytes of output o: q[64 j + t]
           if (bits == 8) {
             for (int64_t kk = 0; kk < kBlock; ++kk) q[64 * (kk / 4) + kk % 4] = c[kk];
             continue;
@@ -269,7 +282,7 @@ void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const uint16_t*
             const uint8_t* cw = c + 16 * (w % 2) + 4 * (w / 2);
             unsigned nib = (cw[0] >> 4 & 1) | (cw[1] >> 4 & 1) << 1 | (cw[2] >> 4 & 1) << 2 |
                            (cw[3] >> 4 & 1) << 3;
-            blk[64 + 256 + 8 * w + o / 2] |= static_cast<uint8_t>(nib << 4 * (o % 2));
+            blk[at + 256 + 8 * w + o / 2] |= static_cast<uint8_t>(nib << 4 * (o % 2));
           }
         }
       }
@@ -277,7 +290,7 @@ void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const uint16_t*
   });
 }
 
-int tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k, const int64_t* rows,
+int tm_qdequantize(int quant, const uint8_t* packed, int64_t n, int64_t k, const int64_t* rows,
                    int64_t count, float* out) {
   using namespace tm;
   for (int64_t i = 0; rows && i < count; ++i)
@@ -287,11 +300,13 @@ int tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k, const 
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row = rows ? rows[i] : i, g = row / kGroup, o = row % kGroup;
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = packed + (g * blocks + b) * group_bytes(bits);
+        const uint8_t* blk = packed + (g * blocks + b) * group_bytes(quant);
         const auto* h = reinterpret_cast<const uint16_t*>(blk);
-        float d = half_to_f(h[o]), mn = half_to_f(h[kGroup + o]);
+        const float d = half_to_f(h[o]);
+        const float mn = qsym(quant) ? d * sym_offset(quant) : half_to_f(h[kGroup + o]);
+        const uint8_t* c = blk + scale_bytes(quant);
         for (int64_t kk = 0; kk < kBlock; ++kk)
-          out[i * k + b * kBlock + kk] = d * static_cast<float>(code_at(blk + 64, bits, o, kk)) + mn;
+          out[i * k + b * kBlock + kk] = d * static_cast<float>(code_at(c, qbits(quant), o, kk)) + mn;
       }
     }
   });

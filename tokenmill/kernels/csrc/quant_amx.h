@@ -34,14 +34,15 @@ constexpr int64_t kRightBytes = 8 * 64;    // one block's right tile
 constexpr int64_t kTileCodes = 16 * kBlock;  // one block's left tile (quantize_rows, tiled)
 
 inline bool amx_quant_runs(int64_t m, bool row_invariant, int quant) {
-  return !row_invariant && m >= (quant == TM_QI8 ? kAmxQuantRows8 : kAmxQuantRows);
+  return !row_invariant && m >= (qbits(quant) == 8 ? kAmxQuantRows8 : kAmxQuantRows);
 }
 
 // Group `grp`'s blocks as right tiles, kRightBytes apart, into `out` (4 and 5 bits).
-template <int BITS>
+template <int Q>
 void unpack_group(const uint8_t* grp, int64_t blocks, uint8_t* out) {
+  constexpr int BITS = qbits(Q);
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* codes = grp + b * group_bytes(BITS) + 64;
+    const uint8_t* codes = grp + b * group_bytes(Q) + scale_bytes(Q);
     uint8_t* dst = out + b * kRightBytes;
     for (int j = 0; j < 4; ++j) {
       uint64_t planes[2] = {0, 0};
@@ -60,7 +61,7 @@ void unpack_group(const uint8_t* grp, int64_t blocks, uint8_t* out) {
 // in flight (tiles 4 / 6 / 0 and 5 / 7 / 1): block b + 1's products are issued before block b's
 // sums are stored and scaled, so the tile loads never wait behind a store of sums and the
 // products run while the vector units scale the previous block.
-template <int BITS>
+template <int Q>
 void amx_rows_group(const int8_t* x, const float* dx, const float* sx, int64_t blocks,
                     const uint8_t* grp, const uint8_t* right, int64_t step, float (*y)[kGroup]) {
   constexpr int H = kGroup / kLanes;
@@ -87,9 +88,12 @@ void amx_rows_group(const int8_t* x, const float* dx, const float* sx, int64_t b
     if (b % 2 == 0) _tile_stored(0, sums, kGroup * sizeof(int32_t));
     else _tile_stored(1, sums, kGroup * sizeof(int32_t));
     // y += m sx, then y += float(s) d dx, as the vector tiles do
-    const auto* h = reinterpret_cast<const uint16_t*>(grp + b * group_bytes(BITS));
+    const auto* h = reinterpret_cast<const uint16_t*>(grp + b * group_bytes(Q));
     vec d[H], mn[H];
-    for (int l = 0; l < H; ++l) d[l] = vload_f16(h + l * kLanes), mn[l] = vload_f16(h + kGroup + l * kLanes);
+    for (int l = 0; l < H; ++l) {
+      d[l] = vload_f16(h + l * kLanes);
+      mn[l] = qsym(Q) ? vmul(d[l], vset1(sym_offset(Q))) : vload_f16(h + kGroup + l * kLanes);
+    }
     for (int r = 0; r < 16; ++r) {
       const vec xd = vset1(dx[r * blocks + b]), xs = vset1(sx[r * blocks + b]);
       for (int l = 0; l < H; ++l) {
@@ -104,11 +108,12 @@ void amx_rows_group(const int8_t* x, const float* dx, const float* sx, int64_t b
 
 // out rows [0, m) = x . w where amx_quant_runs; xq, dx, sx hold whole 16-row tiles (rows past
 // m zero). store_rows(i, R, g, y) writes R rows of group g from y.
-template <int BITS, typename StoreRows>
+template <int Q, typename StoreRows>
 void qgemm_amx(const int8_t* xq, const float* dx, const float* sx, int64_t m, int64_t N,
                int64_t K, const uint8_t* wq, const StoreRows& store_rows) {
   const int64_t groups = (N + kGroup - 1) / kGroup, blocks = K / kBlock;
-  const int64_t gstride = blocks * group_bytes(BITS), tiles_end = (m + 15) / 16 * 16;
+  constexpr int BITS = qbits(Q);
+  const int64_t gstride = blocks * group_bytes(Q), tiles_end = (m + 15) / 16 * 16;
   parallel_for(0, (groups + 1) / 2, 1, [&](int64_t p0, int64_t p1) {  // pairs of groups
     AmxTiles tiles(true, kBlock);
     thread_local std::vector<uint8_t> right;
@@ -119,17 +124,17 @@ void qgemm_amx(const int8_t* xq, const float* dx, const float* sx, int64_t m, in
         const int64_t g = 2 * p;
         const int ng = g + 1 < groups ? 2 : 1;
         const uint8_t* grp = wq + g * gstride;
-        const uint8_t* r = grp + 64;  // 8 bits: the packed chunks are the right tiles
-        int64_t step = group_bytes(BITS), gstep = gstride;
+        const uint8_t* r = grp + scale_bytes(Q);  // 8 bits: the packed chunks are the right tiles
+        int64_t step = group_bytes(Q), gstep = gstride;
         if constexpr (BITS != 8) {
           for (int q = 0; q < ng; ++q)
-            unpack_group<BITS>(grp + q * gstride, blocks, right.data() + q * blocks * kRightBytes);
+            unpack_group<Q>(grp + q * gstride, blocks, right.data() + q * blocks * kRightBytes);
           r = right.data(), step = kRightBytes, gstep = blocks * kRightBytes;
         }
         for (int64_t i = i0; i < i1; i += 16)
           for (int q = 0; q < ng; ++q) {
             alignas(64) float y[16][kGroup];
-            amx_rows_group<BITS>(xq + i * K, dx + i * blocks, sx + i * blocks, blocks,
+            amx_rows_group<Q>(xq + i * K, dx + i * blocks, sx + i * blocks, blocks,
                                  grp + q * gstride, r + q * gstep, step, y);
             store_rows(i, static_cast<int>(std::min<int64_t>(16, m - i)), g + q, y);
           }

@@ -29,23 +29,25 @@ inline bool dequant_runs(int dtype, const tm_linear* w) {
 // weight (k, col) at panel[k / 2 * 2 kPanel + 2 col + k % 2]. One lane per output: a chunk's
 // 64 bytes are 16 lanes of 4 codes (byte 4 o + t); 5 bits: the fifth bits of chunk j's low (high)
 // nibbles are bits 4 o + t of the 64-bit word 2 j (2 j + 1) after the chunks.
-template <int BITS>
+template <int Q>
 void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
   static_assert(kLanes == kGroup, "one lane per output of a group");
+  constexpr int BITS = qbits(Q);
+  constexpr int64_t C = scale_bytes(Q);  // where the codes start
   const __m512i mask = _mm512_set1_epi32(BITS == 8 ? 0xFF : 0x0F), one = _mm512_set1_epi32(1);
   // a fifth-bit word as lanes: lane o holds bits 4 o .. 4 o + 3 at its bottom
   const __m512i dword = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   const __m512i shift4 = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    const uint8_t* blk = grp + b * group_bytes(BITS);
+    const uint8_t* blk = grp + b * group_bytes(Q);
     const auto* h = reinterpret_cast<const uint16_t*>(blk);
-    const vec d = vload_f16(h), mn = vload_f16(h + kGroup);
+    const vec d = vload_f16(h), mn = qsym(Q) ? vmul(d, vset1(sym_offset(Q))) : vload_f16(h + kGroup);
     for (int64_t j = 0; j < (BITS == 8 ? 8 : 4); ++j) {
-      const __m512i c = _mm512_loadu_si512(blk + 64 + 64 * j);
+      const __m512i c = _mm512_loadu_si512(blk + C + 64 * j);
       __m512i fifth[2] = {};
       for (int hi = 0; BITS == 5 && hi < 2; ++hi) {
         uint64_t word;
-        std::memcpy(&word, blk + 64 + 256 + 8 * (2 * j + hi), 8);
+        std::memcpy(&word, blk + C + 256 + 8 * (2 * j + hi), 8);
         const __m512i lanes = _mm512_permutexvar_epi32(dword, _mm512_set1_epi64(word));
         fifth[hi] = _mm512_srlv_epi32(lanes, shift4);
       }
@@ -73,10 +75,10 @@ void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
 
 // out (m, N; rows ldo apart) = x (m, K) bf16 . w^T (+ bias), panel by panel (parallel_steal):
 // each dequantized once, then every block of input rows through amx_panel
-template <int BITS, typename O>
+template <int Q, typename O>
 void qgemm_dequant(const bf16* x, int64_t m, const tm_linear* w, O* out, int64_t ldo) {
   const int64_t N = w->n, K = w->k, groups = (N + kGroup - 1) / kGroup, panels = (groups + 1) / 2;
-  const int64_t gstride = K / kBlock * group_bytes(BITS), pairs = K / 2;
+  const int64_t gstride = K / kBlock * group_bytes(Q), pairs = K / 2;
   const int64_t block = std::max<int64_t>(32, (512 << 10) / (K * 2) / 32 * 32);  // rows
   const auto* wq = static_cast<const uint8_t*>(w->packed);
   parallel_steal(0, panels, [&](const auto& take) {
@@ -84,9 +86,9 @@ void qgemm_dequant(const bf16* x, int64_t m, const tm_linear* w, O* out, int64_t
     panel.resize(pairs * 2 * kPanel), pad.resize(32 * 2 * pairs);
     AmxTiles tiles(true);
     for (int64_t p, hint; take(p, hint);) {
-      dequant_group<BITS>(wq + 2 * p * gstride, K, panel.data(), 0);
+      dequant_group<Q>(wq + 2 * p * gstride, K, panel.data(), 0);
       if (2 * p + 1 < groups) {
-        dequant_group<BITS>(wq + (2 * p + 1) * gstride, K, panel.data(), kGroup);
+        dequant_group<Q>(wq + (2 * p + 1) * gstride, K, panel.data(), kGroup);
       } else {  // no second group: its columns zero
         for (int64_t kp = 0; kp < pairs; ++kp)
           std::fill(panel.begin() + kp * 2 * kPanel + 2 * kGroup,

@@ -10,8 +10,16 @@ namespace tm {
 
 constexpr int64_t kBlock = 32, kGroup = 16, kRowTile = 8, kRowChunk = 64;
 
-// bytes per (group, block): 64 of scales, then the codes
-inline int64_t group_bytes(int bits) { return 64 + (bits == 4 ? 256 : bits == 5 ? 320 : 512); }
+// A weight's quant code (tm.h): its code bits, whether m is implied (TM_QSYM: m = -2^(bits - 1) d),
+// the bytes of scales per (group, block): 16 float16 d then 16 m, or the d alone, and with the
+// codes after them
+constexpr int qbits(int q) { return q & 15; }
+constexpr bool qsym(int q) { return (q & TM_QSYM) != 0; }
+constexpr int64_t scale_bytes(int q) { return qsym(q) ? 32 : 64; }
+constexpr int64_t group_bytes(int q) {
+  return scale_bytes(q) + (qbits(q) == 4 ? 256 : qbits(q) == 5 ? 320 : 512);
+}
+constexpr float sym_offset(int q) { return -static_cast<float>(1 << (qbits(q) - 1)); }
 
 inline int code_at(const uint8_t* codes, int bits, int64_t o, int64_t k) {
   if (bits == 8) return codes[64 * (k / 4) + 4 * o + k % 4];
@@ -31,29 +39,29 @@ inline int code_at(const uint8_t* codes, int bits, int64_t o, int64_t k) {
 // batch waited on memory and arithmetic in turn: 30 layers' GEMMs 7.6 -> 5.1 ms here). L2, not
 // L1 (prefetcht0, as before), as the bf16 GEMM prefetches: on a Zen 4 the 30 layers' Q4 GEMVs
 // streamed 1.15x faster (one row; 16 rows 1.09x) and a Q4_1 decode step 1.16x
-template <int BITS>
+template <int Q>
 inline void prefetch_block(const uint8_t* pf) {
   if (pf)
-    for (int64_t l = 0; l < group_bytes(BITS); l += 64) prefetch_l2(pf + l);
+    for (int64_t l = 0; l < group_bytes(Q); l += 64) prefetch_l2(pf + l);
 }
 
 // y[r][0..16) = the 16 outputs of group `w` for input rows r < R (rows ld K in xq)
-template <int BITS>
+template <int Q>
 void tile_portable(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
                    const uint8_t* w, float (*y)[kGroup]) {
   const int64_t blocks = K / kBlock;
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < kGroup; ++o) y[r][o] = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = w + b * group_bytes(BITS);
+    const uint8_t* blk = w + b * group_bytes(Q);
     const auto* h = reinterpret_cast<const uint16_t*>(blk);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + b * kBlock;
       for (int o = 0; o < kGroup; ++o) {
         int32_t s = 0;
-        for (int k = 0; k < kBlock; ++k) s += code_at(blk + 64, BITS, o, k) * xb[k];
-        y[r][o] += half_to_f(h[o]) * dx[r * blocks + b] * static_cast<float>(s) +
-                   half_to_f(h[kGroup + o]) * sx[r * blocks + b];
+        for (int k = 0; k < kBlock; ++k) s += code_at(blk + scale_bytes(Q), qbits(Q), o, k) * xb[k];
+        const float d = half_to_f(h[o]), m = qsym(Q) ? d * sym_offset(Q) : half_to_f(h[kGroup + o]);
+        y[r][o] += d * dx[r * blocks + b] * static_cast<float>(s) + m * sx[r * blocks + b];
       }
     }
   }
@@ -62,9 +70,10 @@ void tile_portable(int R, const int8_t* xq, const float* dx, const float* sx, in
 #if defined(__AVX512VNNI__)
 // y[g * R + r][0..16) for G consecutive groups (gstride bytes apart) and input rows r < R:
 // each row's 4-byte broadcast of x serves the G groups' codes
-template <int R, int G, int BITS>
+template <int R, int G, int Q>
 void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
                int64_t gstride, float (*y)[kGroup], const uint8_t* pf) {
+  constexpr int BITS = qbits(Q);
   const int64_t blocks = K / kBlock;
   const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512 acc[G][R];
@@ -74,10 +83,11 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
     const uint8_t* blk[G];
     __m512 d[G], m[G];
     for (int g = 0; g < G; ++g) {
-      blk[g] = w + g * gstride + b * group_bytes(BITS);
-      prefetch_block<BITS>(pf ? pf + g * gstride + b * group_bytes(BITS) : nullptr);
+      blk[g] = w + g * gstride + b * group_bytes(Q);
+      prefetch_block<Q>(pf ? pf + g * gstride + b * group_bytes(Q) : nullptr);
       d[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g])));
-      m[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32)));
+      m[g] = qsym(Q) ? _mm512_mul_ps(d[g], _mm512_set1_ps(sym_offset(Q)))
+                     : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32)));
     }
     __m512i s[G][R];
     for (int g = 0; g < G; ++g)
@@ -93,7 +103,7 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
       for (int j = 0; j < 4; ++j) {
         __m512i lo[G], hi[G];
         for (int g = 0; g < G; ++g) {
-          const uint8_t* codes = blk[g] + 64;
+          const uint8_t* codes = blk[g] + scale_bytes(Q);
           __m512i v = _mm512_loadu_si512(codes + 64 * j);
           lo[g] = _mm512_and_si512(v, nib), hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
           if constexpr (BITS == 5) {  // add 16 where the fifth bit is set
@@ -114,7 +124,7 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
     } else {
       for (int j = 0; j < 8; ++j) {
         __m512i v[G];
-        for (int g = 0; g < G; ++g) v[g] = _mm512_loadu_si512(blk[g] + 64 + 64 * j);
+        for (int g = 0; g < G; ++g) v[g] = _mm512_loadu_si512(blk[g] + scale_bytes(Q) + 64 * j);
         for (int r = 0; r < R; ++r) {
           const __m512i x = x4(r, 4 * j);
           for (int g = 0; g < G; ++g) s[g][r] = _mm512_dpbusd_epi32(s[g][r], v[g], x);
@@ -136,40 +146,40 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
 
 // two groups at once, up to kPairRows input rows: y[g * R + r]
 constexpr int kPairRows = 4;
-template <int BITS>
+template <int Q>
 void tile_pair(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
                const uint8_t* w, int64_t gstride, float (*y)[kGroup], const uint8_t* pf) {
   switch (R) {
-    case 1: return tile_vnni<1, 2, BITS>(xq, dx, sx, K, w, gstride, y, pf);
-    case 2: return tile_vnni<2, 2, BITS>(xq, dx, sx, K, w, gstride, y, pf);
-    case 3: return tile_vnni<3, 2, BITS>(xq, dx, sx, K, w, gstride, y, pf);
-    default: return tile_vnni<4, 2, BITS>(xq, dx, sx, K, w, gstride, y, pf);
+    case 1: return tile_vnni<1, 2, Q>(xq, dx, sx, K, w, gstride, y, pf);
+    case 2: return tile_vnni<2, 2, Q>(xq, dx, sx, K, w, gstride, y, pf);
+    case 3: return tile_vnni<3, 2, Q>(xq, dx, sx, K, w, gstride, y, pf);
+    default: return tile_vnni<4, 2, Q>(xq, dx, sx, K, w, gstride, y, pf);
   }
 }
 constexpr bool kGroupPairs = true;
 
-template <int BITS>
+template <int Q>
 void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
           const uint8_t* w, float (*y)[kGroup], const uint8_t* pf = nullptr) {
   switch (R) {
-    case 1: return tile_vnni<1, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
-    case 2: return tile_vnni<2, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
-    case 3: return tile_vnni<3, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
-    case 4: return tile_vnni<4, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
-    case 5: return tile_vnni<5, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
-    case 6: return tile_vnni<6, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
-    case 7: return tile_vnni<7, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
-    default: return tile_vnni<8, 1, BITS>(xq, dx, sx, K, w, 0, y, pf);
+    case 1: return tile_vnni<1, 1, Q>(xq, dx, sx, K, w, 0, y, pf);
+    case 2: return tile_vnni<2, 1, Q>(xq, dx, sx, K, w, 0, y, pf);
+    case 3: return tile_vnni<3, 1, Q>(xq, dx, sx, K, w, 0, y, pf);
+    case 4: return tile_vnni<4, 1, Q>(xq, dx, sx, K, w, 0, y, pf);
+    case 5: return tile_vnni<5, 1, Q>(xq, dx, sx, K, w, 0, y, pf);
+    case 6: return tile_vnni<6, 1, Q>(xq, dx, sx, K, w, 0, y, pf);
+    case 7: return tile_vnni<7, 1, Q>(xq, dx, sx, K, w, 0, y, pf);
+    default: return tile_vnni<8, 1, Q>(xq, dx, sx, K, w, 0, y, pf);
   }
 }
 constexpr bool kFastQuant = true;
 #elif defined(__AVX2__)
 #include "quant_tiles_avx2.h"
 #else
-template <int BITS>
+template <int Q>
 void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
           const uint8_t* w, float (*y)[kGroup], const uint8_t* = nullptr) {
-  tile_portable<BITS>(R, xq, dx, sx, K, w, y);
+  tile_portable<Q>(R, xq, dx, sx, K, w, y);
 }
 constexpr bool kFastQuant = false;
 #endif
@@ -178,11 +188,11 @@ constexpr bool kFastQuant = false;
 // Two groups as two tiles (the pairing pays only where a broadcast feeds both: VNNI)
 constexpr int kPairRows = kRowTile;
 constexpr bool kGroupPairs = false;
-template <int BITS>
+template <int Q>
 void tile_pair(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
                const uint8_t* w, int64_t gstride, float (*y)[kGroup], const uint8_t* pf) {
-  tile<BITS>(R, xq, dx, sx, K, w, y, pf);
-  tile<BITS>(R, xq, dx, sx, K, w + gstride, y + R, pf ? pf + gstride : nullptr);
+  tile<Q>(R, xq, dx, sx, K, w, y, pf);
+  tile<Q>(R, xq, dx, sx, K, w + gstride, y + R, pf ? pf + gstride : nullptr);
 }
 #endif
 

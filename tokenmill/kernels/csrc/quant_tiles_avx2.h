@@ -26,9 +26,10 @@ inline void in_register(__m256i& v) { asm("" : "+x"(v)); }
 
 // H halves of the group (from `half` on) in one pass: with 1-2 rows the registers hold both,
 // and the rows' x broadcasts serve both halves
-template <int R, int H, int BITS>
+template <int R, int H, int Q>
 void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
                int half, float (*y)[kGroup], const uint8_t* pf) {
+  constexpr int BITS = qbits(Q);
   const int64_t blocks = K / kBlock;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -36,15 +37,16 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
   for (int h = 0; h < H; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* blk = w + b * group_bytes(BITS);
-    prefetch_block<BITS>(pf ? pf + b * group_bytes(BITS) : nullptr);
+    const uint8_t* blk = w + b * group_bytes(Q);
+    prefetch_block<Q>(pf ? pf + b * group_bytes(Q) : nullptr);
     const uint8_t* codes[H];
     __m256 d[H], m[H];
     for (int h = 0; h < H; ++h) {
       const int64_t hh = half + h;
-      codes[h] = blk + 64 + 32 * hh;
+      codes[h] = blk + scale_bytes(Q) + 32 * hh;
       d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * hh)));
-      m[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * hh)));
+      m[h] = qsym(Q) ? _mm256_mul_ps(d[h], _mm256_set1_ps(sym_offset(Q)))
+                     : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * hh)));
       if constexpr (BITS == 8) m[h] = _mm256_fmadd_ps(d[h], _mm256_set1_ps(128.f), m[h]);
     }
     __m256i s[H][R];
@@ -76,7 +78,7 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
           __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[h] + 64 * j));
           lo[h] = _mm256_and_si256(v, nib), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
           if constexpr (BITS == 5) {  // this half's fifth bits
-            const uint8_t* planes = blk + 64 + 256 + 16 * j + 4 * (half + h);
+            const uint8_t* planes = blk + scale_bytes(Q) + 256 + 16 * j + 4 * (half + h);
             lo[h] = _mm256_or_si256(lo[h], fifth_bits(planes));
             hi[h] = _mm256_or_si256(hi[h], fifth_bits(planes + 8));
           }
@@ -124,7 +126,7 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y[r] + 8 * (half + h), acc[h][r]);
 }
 
-template <int BITS>
+template <int Q>
 void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
           const uint8_t* w, float (*y)[kGroup], const uint8_t* pf = nullptr) {
   const int64_t blocks = K / kBlock;
@@ -133,15 +135,15 @@ void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
     const float *d = dx + r0 * blocks, *s = sx + r0 * blocks;
     const uint8_t* p = r0 == 0 ? pf : nullptr;  // the first pass prefetches
     switch (std::min(4, R - r0)) {
-      case 1: tile_avx2<1, 2, BITS>(x, d, s, K, w, 0, y + r0, p); break;
-      case 2: tile_avx2<2, 2, BITS>(x, d, s, K, w, 0, y + r0, p); break;
+      case 1: tile_avx2<1, 2, Q>(x, d, s, K, w, 0, y + r0, p); break;
+      case 2: tile_avx2<2, 2, Q>(x, d, s, K, w, 0, y + r0, p); break;
       case 3:
-        tile_avx2<3, 1, BITS>(x, d, s, K, w, 0, y + r0, p);
-        tile_avx2<3, 1, BITS>(x, d, s, K, w, 1, y + r0, nullptr);
+        tile_avx2<3, 1, Q>(x, d, s, K, w, 0, y + r0, p);
+        tile_avx2<3, 1, Q>(x, d, s, K, w, 1, y + r0, nullptr);
         break;
       default:
-        tile_avx2<4, 1, BITS>(x, d, s, K, w, 0, y + r0, p);
-        tile_avx2<4, 1, BITS>(x, d, s, K, w, 1, y + r0, nullptr);
+        tile_avx2<4, 1, Q>(x, d, s, K, w, 0, y + r0, p);
+        tile_avx2<4, 1, Q>(x, d, s, K, w, 1, y + r0, nullptr);
     }
   }
 }

@@ -16,13 +16,15 @@ extern "C" {
 #define TM_API __attribute__((visibility("default")))
 
 enum { TM_F32 = 0, TM_BF16 = 1 };
-/* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits */
-enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8 };
-#define TM_ABI_VERSION 20
+/* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits; with
+ * TM_QSYM added, m = -2^(bits - 1) d (GGUF's Q4_0, Q5_0, Q8_0) and only d is stored */
+enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8, TM_QSYM = 16 };
+#define TM_ABI_VERSION 21
 #define TM_MAX_RUNS 4
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
- * the model's dtype); with TM_QI4 / TM_QI5 / TM_QI8, repacked by tm_qpack. */
+ * the model's dtype); with a quant code (TM_QI4 / TM_QI5 / TM_QI8, + TM_QSYM), repacked by
+ * tm_qpack. */
 typedef struct {
   const void* packed;
   const float* bias; /* (n,) float32 or NULL */
@@ -118,15 +120,16 @@ TM_API void tm_pack_weight(int dtype, const void* w, int64_t n, int64_t k, void*
 TM_API int tm_unpack_weight(int dtype, const void* packed, int64_t n, int64_t k,
                             const int64_t* rows, int64_t count, void* out);
 /* Block-quantized weights: codes (n, k) uint8 and float16 d, m (n, k / 32), w = d * code + m,
- * repacked for the kernels (bits 4, 5 or 8; k a multiple of 32); tm_qdequantize gives `count`
- * rows (rows[i], or row i when rows is NULL) back in float32, and returns 0, or -1 (nothing
- * written) when a row index is outside [0, n). tm_quant_fast: 1 when this build
+ * repacked for the kernels (quant: TM_QI4 / TM_QI5 / TM_QI8, plus TM_QSYM where every m is
+ * -2^(bits - 1) d: m is then not read and may be NULL; k a multiple of 32); tm_qdequantize
+ * gives `count` rows (rows[i], or row i when rows is NULL) back in float32, and returns 0, or
+ * -1 (nothing written) when a row index is outside [0, n). tm_quant_fast: 1 when this build
  * has the integer dot-product kernel (else a portable loop runs). */
 TM_API int tm_quant_fast(void);
-TM_API int64_t tm_qpacked_bytes(int bits, int64_t n, int64_t k);
-TM_API void tm_qpack(int bits, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
+TM_API int64_t tm_qpacked_bytes(int quant, int64_t n, int64_t k);
+TM_API void tm_qpack(int quant, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
                      int64_t n, int64_t k, uint8_t* out);
-TM_API int tm_qdequantize(int bits, const uint8_t* packed, int64_t n, int64_t k,
+TM_API int tm_qdequantize(int quant, const uint8_t* packed, int64_t n, int64_t k,
                            const int64_t* rows, int64_t count, float* out);
 /* out (m, n) in out_dtype = x (m, k) @ w.T + bias; x in the packed weight's dtype, or float32 /
  * bfloat16 for quantized weights (quantized per 32 to int8 inside). prompt_rows: `ranges`
