@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import paged_history, prefill_reference
+from tests.test_quant_kernels import FORMATS
 from tokenmill.kernels import build
 from tokenmill.kernels.isa import supported_isas
 from tokenmill.kernels.lib import KernelLib
@@ -86,21 +87,21 @@ def test_amx_path_is_bf16_whole_tiles_only(emulated):
         assert tile_ops(emulated) == before
 
 
-@pytest.mark.parametrize("fmt", [4, 5, 8, "4s", "5s", "8s"])  # "s": symmetric, d alone packed
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_amx_quantized_gemm_matches_the_vector_tiles(emulated, fmt):
     """64 or more rows of a block-quantized GEMM (16 or more with 8-bit codes) run on int8
     tiles (quant_amx.h): per block the exact integer sums, scaled as the vector tiles scale
     theirs, so a row's output equals the one-row call's (4 and 5 bits; AVX2 treats 8-bit codes
     as signed, another rounding)."""
-    from tests.test_quant_kernels import check_packed_form, random_bq
+    from tests.test_quant_kernels import check_packed_form, pack, random_bq
     from tokenmill.quantization import linear_ref
 
-    bq = random_bq(45, 128, fmt, seed=3)  # 3 groups, the last partial; 4 blocks
+    bq = random_bq(45, 256, fmt, seed=3)  # 3 groups, the last partial; 8 blocks
     bits = bq.bits
     bias = torch.randn(45, generator=torch.Generator().manual_seed(3))
-    layer = emulated.qpack(bq.codes, bq.d, bq.m, bits, bias)
+    layer = pack(emulated, bq, bias)
     check_packed_form(layer, fmt)
-    x = torch.randn(70, 128).to(torch.bfloat16)  # 5 row tiles, the last partial
+    x = torch.randn(70, 256).to(torch.bfloat16)  # 5 row tiles, the last partial
     before = tile_ops(emulated)
     many = emulated.linear(x, layer, out_fp32=True)
     assert tile_ops(emulated) > before  # the tile path ran

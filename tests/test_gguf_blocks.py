@@ -11,6 +11,7 @@ from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
 from tests.gguf_util import random_blocks
+from tokenmill.quantization import BlockQuant
 from tokenmill.quantization.gguf_blocks import NATIVE_TYPES, to_block_quant
 
 
@@ -28,11 +29,16 @@ def test_simple_formats_are_exact(qtype):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K])
-def test_k_formats_are_close(qtype):
+def test_k_formats_are_exact(qtype):
+    """With their integer scales (ks: what the kernels pack) to float32 rounding; their scales
+    rounded to float16 (d, m: every other use) within that rounding."""
     q = random_blocks(qtype, 8, 512, np.random.default_rng(1))
     ref = dequantize(q, qtype).astype(np.float32)
-    ours = to_block_quant(q, qtype, 8, 512).dequantize().numpy()
-    assert np.abs(ours - ref).max() < 1e-3 * np.abs(ref).max()
+    bq = to_block_quant(q, qtype, 8, 512)
+    assert bq.ks is not None and bq.ks[0].shape == (8, 16) and bq.ks[2].shape == (8, 2)
+    assert np.abs(bq.dequantize().numpy() - ref).max() < 1e-6 * np.abs(ref).max()
+    rounded = BlockQuant(bq.codes, bq.d, bq.m, bq.bits).dequantize().numpy()
+    assert np.abs(rounded - ref).max() < 1e-3 * np.abs(ref).max()
 
 
 @pytest.mark.parametrize("rows,cols", [(8, 512), (40, 16384)])  # more than one of _q6_k's chunks

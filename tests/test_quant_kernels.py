@@ -25,64 +25,83 @@ def lib(request):
     return load_cpu_kernels(request.param)
 
 
-# code widths, and the symmetric forms ("4s": m = -8 d in every block, as GGUF's Q4_0; packed
-# with d alone, QSYM)
-FORMATS = [4, 5, 8, "4s", "5s", "8s"]
+# code widths, the symmetric forms ("4s": m = -8 d in every block, as GGUF's Q4_0; packed with d
+# alone, QSYM) and the K formats' integer scales ("4k": d = sc D, m = -mn M, as Q4_K; packed
+# as they are, QSUPER, where k is a multiple of 256)
+FORMATS = [4, 5, 8, "4s", "5s", "8s", "4k", "5k"]
 
 
 def random_bq(n: int, k: int, fmt: int | str, seed: int = 0) -> BlockQuant:
-    bits, sym = int(str(fmt).rstrip("s")), str(fmt).endswith("s")
+    bits, kind = int(str(fmt)[0]), str(fmt)[1:]
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
     d = (torch.rand(n, k // 32, generator=g) * 0.1).half()
-    m = d * -(1 << (bits - 1)) if sym else (torch.randn(n, k // 32, generator=g) * 0.3).half()
-    return BlockQuant(codes, d, m, bits)
+    m = (torch.randn(n, k // 32, generator=g) * 0.3).half()
+    if kind == "s":
+        m = d * -(1 << (bits - 1))
+    if kind != "k" or k % 256:
+        return BlockQuant(codes, d, m, bits)
+    sc, mn = (torch.randint(0, 64, (n, k // 32), generator=g, dtype=torch.uint8) for _ in "ab")
+    dd, mm = ((torch.rand(n, k // 256, generator=g) * 4e-3).half() for _ in "ab")
+    d = (sc.float() * dd.float().repeat_interleave(8, 1)).half()
+    m = (-(mn.float() * mm.float().repeat_interleave(8, 1))).half()
+    return BlockQuant(codes, d, m, bits, ks=(sc, mn, dd, mm))
+
+
+def pack(lib, bq: BlockQuant, bias=None):
+    """bq packed as the engine packs a weight (KernelOps.pack_quantized: the K scales too)."""
+    return lib.qpack_parts([(bq.codes, bq.d, bq.m, bq.ks)], bq.bits, bias)
 
 
 def check_packed_form(layer, fmt) -> None:
     """The layer packed as fmt says: per group of 16 rows and block of 32 columns, 16 float16 d
-    (symmetric) or 16 d and 16 m, then the codes."""
-    from tokenmill.kernels.lib import QSYM
+    (symmetric), 16 sc and 16 mn (K scales, and per 8 blocks 16 D and 16 M), or 16 d and 16 m,
+    then the codes."""
+    from tokenmill.kernels.lib import QSUPER, QSYM
 
-    sym = str(fmt).endswith("s")
-    assert layer.quant == layer.bits | (QSYM if sym else 0)
-    block = (32 if sym else 64) + {4: 256, 5: 320, 8: 512}[layer.bits]
-    assert layer.packed.numel() == (layer.n + 15) // 16 * (layer.k // 32) * block
+    sym, ks = str(fmt).endswith("s"), str(fmt).endswith("k") and layer.k % 256 == 0
+    assert layer.quant == layer.bits | (QSYM if sym else QSUPER if ks else 0)
+    block = (32 if sym or ks else 64) + {4: 256, 5: 320, 8: 512}[layer.bits]
+    groups, blocks = (layer.n + 15) // 16, layer.k // 32
+    assert layer.packed.numel() == groups * (blocks * block + (blocks // 8 * 64 if ks else 0))
 
 
 @pytest.mark.parametrize("sizes,fmts", [([32, 16, 16], (4, 4, 4)), ([48, 16, 37], (4, 5, 8)),
                                          ([64, 64], (5, 4)), ([32, 32, 16], (4, 4, 8)),
-                                         ([32, 16, 16], ("8s", "8s", 8))])
+                                         ([32, 16, 16], ("8s", "8s", 8)),
+                                         ([32, 16, 16], ("4k", "4k", 8))])
 def test_fused_parts_pack_in_place(lib, sizes, fmts):
     """Parts packed where they land (a fused q|k|v, gate|up), each in its own form: one form
     packs byte for byte as the stack; mixed widths (or symmetric beside not) make runs of rows
     (tm_linear.runs) whose outputs are each part's own, bit for bit; a part ending inside a
     group of 16 rows is refused (the loader stacks those)."""
-    from tokenmill.kernels.lib import QSYM, PackedLinear
+    from tokenmill.kernels.lib import QSUPER, QSYM, PackedLinear
     from tokenmill.layers.kernel_ops import KernelOps
 
-    parts = [random_bq(n, 96, f, seed=i) for i, (n, f) in enumerate(zip(sizes, fmts))]
+    k = 256 if any(str(f).endswith("k") for f in fmts) else 96
+    parts = [random_bq(n, k, f, seed=i) for i, (n, f) in enumerate(zip(sizes, fmts))]
     stacked = BlockQuant.cat(parts)
     got = KernelOps(lib).pack_quantized(parts)
-    quants = [p.bits | (QSYM if str(f).endswith("s") else 0) for p, f in zip(parts, fmts)]
-    assert (got.n, got.k, got.bits) == (sum(sizes), 96, max(p.bits for p in parts))
+    quants = [p.bits | {"s": QSYM, "k": QSUPER}.get(str(f)[1:], 0) for p, f in zip(parts, fmts)]
+    assert (got.n, got.k, got.bits) == (sum(sizes), k, max(p.bits for p in parts))
     if len(set(quants)) == 1:
-        want = lib.qpack(stacked.codes, stacked.d, stacked.m, stacked.bits)
+        want = pack(lib, stacked)
         assert got.runs is None and torch.equal(got.packed, want.packed)
     else:
         ends = torch.tensor(sizes).cumsum(0).tolist()
         runs = [(q, e) for i, (q, e) in enumerate(zip(quants, ends))
                 if i == len(quants) - 1 or quants[i + 1] != q]
         assert got.runs == runs
-    assert torch.equal(lib.qdequantize(got), stacked.dequantize())
+    whole = torch.cat([p.dequantize() for p in parts])  # each part exactly (the K scales too)
+    assert torch.equal(lib.qdequantize(got), whole)
     idx = torch.tensor([sum(sizes) - 1, 0, 40])
-    assert torch.equal(lib.qdequantize(got, idx), stacked.dequantize()[idx])
+    assert torch.equal(lib.qdequantize(got, idx), whole[idx])
     bias = torch.randn(sum(sizes))
     layer = PackedLinear(got.packed, bias, got.n, got.k, got.quant, runs=got.runs)
     ends = torch.tensor([0] + sizes).cumsum(0).tolist()
     for rows in (1, 5, 70):
-        x = torch.randn(rows, 96).bfloat16()
-        own = torch.cat([lib.linear(x, lib.qpack(p.codes, p.d, p.m, p.bits, bias[a:b]))
+        x = torch.randn(rows, k).bfloat16()
+        own = torch.cat([lib.linear(x, pack(lib, p, bias[a:b]))
                          for p, a, b in zip(parts, ends, ends[1:])], dim=1)
         assert torch.equal(lib.linear(x, layer), own)
     odd = [random_bq(20, 96, 4), random_bq(16, 96, 4)]
@@ -94,8 +113,8 @@ def test_fused_parts_pack_in_place(lib, sizes, fmts):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_pack_round_trip(lib, fmt):
-    bq = random_bq(37, 96, fmt)  # 37 rows: a partial group of 16
-    packed = lib.qpack(bq.codes, bq.d, bq.m, bq.bits)
+    bq = random_bq(37, 512 if str(fmt).endswith("k") else 96, fmt)  # 37 rows: a partial group
+    packed = pack(lib, bq)
     check_packed_form(packed, fmt)
     assert torch.equal(lib.qdequantize(packed), bq.dequantize())
     rows = torch.tensor([36, 0, 17, 17])
@@ -110,12 +129,13 @@ def test_pack_round_trip(lib, fmt):
 # 1-8 rows: one tile; 9, 17: several; 70: two row chunks of 64
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17, 70])
 def test_quantized_linear(lib, fmt, dtype, rows):
-    bq = random_bq(45, 576, fmt, seed=rows)
+    k = 768 if str(fmt).endswith("k") else 576
+    bq = random_bq(45, k, fmt, seed=rows)
     g = torch.Generator().manual_seed(rows)  # not the global RNG: its state depends on the order
     bias = torch.randn(45, generator=g)
-    layer = lib.qpack(bq.codes, bq.d, bq.m, bq.bits, bias)
+    layer = pack(lib, bq, bias)
     check_packed_form(layer, fmt)
-    x = (torch.randn(rows, 576, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(dtype)
+    x = (torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 4).to(dtype)
     x[0, :32] = 0  # an all-zero block
     want = linear_ref(x, bq, bias)
     scale = want.abs().max().item()
@@ -134,14 +154,18 @@ def test_quantized_linear(lib, fmt, dtype, rows):
 def test_integer_sums_at_their_bound(lib, fmt, sign):
     """The largest codes against activations all at +-127 (a constant block): where a kernel's
     narrow integer partial sums (AVX2 adds pair sums in int16) would overflow first."""
-    n, k = 32, 128
-    bits = random_bq(16, 32, fmt).bits
+    n, k = 32, 256
+    bits, kind = int(str(fmt)[0]), str(fmt)[1:]
     codes = torch.full((n, k), (1 << bits) - 1, dtype=torch.uint8)
     codes[1::2, ::3] = 0  # and a few rows mixing both ends
     d = torch.full((n, k // 32), 1e-3).half()
-    m = d * -(1 << (bits - 1)) if str(fmt).endswith("s") else torch.full((n, k // 32), -1e-2).half()
-    bq = BlockQuant(codes, d, m, bits)
-    layer = lib.qpack(bq.codes, bq.d, bq.m, bits)
+    m = d * -(1 << (bits - 1)) if kind == "s" else torch.full((n, k // 32), -1e-2).half()
+    ks = None
+    if kind == "k":  # the largest integer scales
+        sc = mn = torch.full((n, k // 32), 63, dtype=torch.uint8)
+        ks = (sc, mn, (d[:, ::8].float() / 63).half(), (-m[:, ::8].float() / 63).half())
+    bq = BlockQuant(codes, d, m, bits, ks=ks)
+    layer = pack(lib, bq)
     check_packed_form(layer, fmt)
     x = torch.full((5, k), sign * 3.0)  # quantizes to +-127 in every position
     x[3] = -x[3]
@@ -159,7 +183,7 @@ def test_a_row_does_not_depend_on_the_other_rows(lib, fmt):
     alone on quantized weights."""
     bq = random_bq(77, 256, fmt, seed=5)  # 5 groups, the last partial
     bias = torch.randn(77, generator=torch.Generator().manual_seed(5))
-    layer = lib.qpack(bq.codes, bq.d, bq.m, bq.bits, bias)
+    layer = pack(lib, bq, bias)
     check_packed_form(layer, fmt)
     x = torch.randn(130, 256).to(torch.bfloat16)
     for out_fp32 in (True, False):
@@ -225,7 +249,7 @@ def test_prompt_rows_on_the_dequantized_weights(lib, fmt):
     bq = random_bq(77, 256, fmt, seed=7)
     g = torch.Generator().manual_seed(7)
     bias = torch.randn(77, generator=g)
-    layer = lib.qpack(bq.codes, bq.d, bq.m, bq.bits, bias)
+    layer = pack(lib, bq, bias)
     check_packed_form(layer, fmt)
     x = torch.randn(130, 256, generator=g).to(torch.bfloat16)
     ranges = [(3, 41), (41, 45), (70, 130)]

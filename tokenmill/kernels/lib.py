@@ -20,8 +20,9 @@ MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
 QSYM = 16  # tm.h TM_QSYM: added to the bits where every m = -2**(bits - 1) d (stored: d alone)
+QSUPER = 32  # tm.h TM_QSUPER: d = sc D, m = -mn M (GGUF's K formats' integers, BlockQuant.ks)
 QUANT_GROUP = 16  # output rows packed together (quant_tiles.h kGroup)
-ABI_VERSION = 21
+ABI_VERSION = 22
 MAX_RUNS = 4  # runs of rows of their own code width in one quantized weight (tm.h TM_MAX_RUNS)
 _P, _I = c_void_p, c_int64
 
@@ -75,6 +76,7 @@ _SIGNATURES = {
     "tm_quant_fast": (c_int, []),
     "tm_qpacked_bytes": (_I, [c_int, _I, _I]),
     "tm_qpack": (None, [c_int, _P, _P, _P, _I, _I, _P]),
+    "tm_qpack_super": (None, [c_int, _P, _P, _P, _P, _P, _I, _I, _P]),
     "tm_qdequantize": (c_int, [c_int, _P, _I, _I, _P, _I, _P]),
     "tm_rms_norm": (None, [c_int, _P, _P, _P, _P, _I, _I, c_float]),
     "tm_rope": (None, [c_int, _P, _I, _I, _I, _P, _I, _P]),
@@ -100,14 +102,14 @@ _SIGNATURES = {
 
 class PackedLinear:
     """A weight in the library's panel layout (or block-quantized: `quant` 4 / 5 / 8 code bits,
-    plus QSYM where m is implied, see tm_qpack; `bits` the code bits) plus its float32 bias, as
-    the C struct reads it; holds the tensors the struct points to."""
+    plus QSYM or QSUPER, see tm_qpack; `bits` the code bits) plus its float32 bias, as the C
+    struct reads it; holds the tensors the struct points to."""
 
     def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
                  quant: int = 0, gated: bool = False,
                  runs: list[tuple[int, int]] | None = None):
         self.packed, self.bias, self.n, self.k, self.quant = packed, bias, n, k, quant
-        self.bits = quant & ~QSYM
+        self.bits = quant & 15
         self.gated = gated  # gate|up interleaved: linear() gives silu(gate) x up (pack)
         # block-quantized rows in runs of their own quant code: (quant, end row) each, in
         # order (quant: the widest run's); None: all rows `quant`
@@ -210,15 +212,18 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         d and m (n, k / 32) float16, repacked for the kernels."""
         return self.qpack_parts([(codes, d, m)], bits, bias)
 
-    def qpack_parts(self, parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-                    bits: int | list[int], bias: torch.Tensor | None = None) -> PackedLinear:
+    def qpack_parts(self, parts: list[tuple], bits: int | list[int],
+                    bias: torch.Tensor | None = None) -> PackedLinear:
         """Parts stacked along the output rows (fused q|k|v, gate|up), each (codes, d, m) as
-        for qpack, packed where they land with no stacked copy: every part but the last must
-        end on a group of 16 rows (the packed form is group after group). `bits`: one width for
-        every part, or each part's own (adjacent parts of one width make one run of rows,
+        for qpack, or (codes, d, m, ks) with a K format's integer scales (BlockQuant.ks),
+        packed where they land with no stacked copy: every part but the last must end on a
+        group of 16 rows (the packed form is group after group). `bits`: one width for every
+        part, or each part's own (adjacent parts of one form make one run of rows,
         tm_linear.runs)."""
         k = parts[0][0].shape[1]
         widths = list(bits) if isinstance(bits, (list, tuple)) else [bits] * len(parts)
+        kss = [p[3] if len(p) > 3 else None for p in parts]
+        parts = [p[:3] for p in parts]
         for i, ((codes, d, m), b) in enumerate(zip(parts, widths, strict=True)):
             n = codes.shape[0]
             _check(b in QUANT_BITS and k % 32 == 0 and codes.shape[1] == k
@@ -227,7 +232,9 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
                    and (i == len(parts) - 1 or n % QUANT_GROUP == 0),
                    f"qpack: ({n}, {k}) {b}-bit codes with (n, k / 32) float16 scales "
                    f"(parts but the last in whole groups of {QUANT_GROUP} rows)")
-        quants = [b | QSYM if _symmetric(d, m, b) else b for (_, d, m), b in zip(parts, widths)]
+        quants = [b | QSUPER if ks is not None and b in (4, 5) and k % 256 == 0
+                  else b | QSYM if _symmetric(d, m, b) else b
+                  for (_, d, m), b, ks in zip(parts, widths, kss)]
         runs: list[tuple[int, int]] = []  # (quant, end row)
         row = size = 0
         for (codes, _, _), q in zip(parts, quants):
@@ -241,13 +248,18 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
         packed = ARENA.empty(size, torch.uint8)
         self._sync_threads()
         at = packed.data_ptr()
-        for (codes, d, m), q in zip(parts, quants):
+        for (codes, d, m), q, ks in zip(parts, quants, kss):
             codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
-            self._lib.tm_qpack(q, codes.data_ptr(), d.data_ptr(), m.data_ptr(), codes.shape[0],
-                               k, at)
+            if q & QSUPER:
+                sc, mn, dd, mm = (t.contiguous() for t in ks)
+                self._lib.tm_qpack_super(q, codes.data_ptr(), sc.data_ptr(), mn.data_ptr(),
+                                         dd.data_ptr(), mm.data_ptr(), codes.shape[0], k, at)
+            else:
+                self._lib.tm_qpack(q, codes.data_ptr(), d.data_ptr(), m.data_ptr(),
+                                   codes.shape[0], k, at)
             at += self._lib.tm_qpacked_bytes(q, codes.shape[0], k)
         b = None if bias is None else bias.detach().float().contiguous()
-        widest = max(quants, key=lambda q: q & ~QSYM)
+        widest = max(quants, key=lambda q: q & 15)
         return PackedLinear(packed, b, row, k, widest, runs=runs if len(runs) > 1 else None)
 
     def qdequantize(self, w: PackedLinear, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -171,8 +171,7 @@ def gguf_weights(reader: GGUFFile, cfg: ModelConfig, keep_quantized: bool = Fals
 
 def _unpermute(tensor, heads: int):
     if isinstance(tensor, BlockQuant):
-        return BlockQuant(*(unpermute_rope_rows(t, heads) for t in (tensor.codes, tensor.d,
-                                                                    tensor.m)), tensor.bits)
+        return tensor.map_rows(lambda t: unpermute_rope_rows(t, heads))
     return unpermute_rope_rows(tensor, heads)
 
 

@@ -5,8 +5,8 @@ block of 32 input columns, with unsigned codes of 4, 5 or 8 bits and float16 d, 
 LinearMethod per format; here each format only has to say how its bytes map to this form, and
 one kernel runs them all: kernels/csrc/quant.cpp). The methods:
 
-- GGUF blocks (gguf_blocks.py), kept from the file: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1 exactly,
-  Q4_K and Q5_K with their sub-block scales rounded to float16, Q6_K with one of its two
+- GGUF blocks (gguf_blocks.py), kept from the file: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K and
+  Q5_K exactly (the K formats' integer scales kept as ks), Q6_K with one of its two
   sub-block scales per 32 weights requantized (gguf_blocks.py states the error);
 - on the fly from float weights (rtn.py): "int8" (per output channel, symmetric) and "int4"
   (groups of 32 or 128, asymmetric), round to nearest.
@@ -36,6 +36,9 @@ class BlockQuant:
     m: torch.Tensor
     bits: int
     perm: torch.Tensor | None = None  # input order the columns are stored in (act-order GPTQ)
+    # GGUF's K formats exactly: d = sc D, m = -mn M with sc, mn (n, k / 32) uint8 < 64 and D, M
+    # (n, k / 256) float16 (d and m above hold them rounded to float16); the kernels pack these
+    ks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
@@ -48,6 +51,12 @@ class BlockQuant:
                              f"of shape {(n, k // BLOCK)}, 4, 5 or 8 bits)")
         if not (_finite_f16(self.d) and _finite_f16(self.m)):
             raise ValueError("quantized weight has scales that overflow float16")
+        if self.ks is not None and (
+                k % (8 * BLOCK) or any(t.shape != (n, k // BLOCK) or t.dtype != torch.uint8
+                                       for t in self.ks[:2])
+                or any(t.shape != (n, k // (8 * BLOCK)) or t.dtype != torch.float16
+                       for t in self.ks[2:])):
+            raise ValueError(f"quantized weight of shape {(n, k)}: K-format scales do not match")
         if self.bits < 8 and self.codes.numel() and int(self.codes.max()) >= 1 << self.bits:
             raise ValueError(f"{self.bits}-bit quantized weight has codes above "
                              f"{(1 << self.bits) - 1}")
@@ -61,14 +70,29 @@ class BlockQuant:
         input order (or as stored, permuted by perm)."""
         n, k = self.codes.shape
         c = self.codes.reshape(n, k // BLOCK, BLOCK).float()
-        w = (c * self.d.float()[..., None] + self.m.float()[..., None]).reshape(n, k)
+        d, m = self.scales()
+        w = (c * d[..., None] + m[..., None]).reshape(n, k)
         if self.perm is None or stored_order:
             return w
         return w[:, torch.argsort(self.perm)]
 
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """d and m (n, k / 32) in float32: from ks exactly where the weight has them (products
+        of 6-bit integers and float16, exact in float32)."""
+        if self.ks is None:
+            return self.d.float(), self.m.float()
+        sc, mn, dd, mm = self.ks
+        return (sc.float() * dd.float().repeat_interleave(8, 1),
+                -(mn.float() * mm.float().repeat_interleave(8, 1)))
+
     def rows(self, index) -> BlockQuant:
         """Some output rows (a slice, or an index tensor)."""
-        return BlockQuant(self.codes[index], self.d[index], self.m[index], self.bits, self.perm)
+        return self.map_rows(lambda t: t[index])
+
+    def map_rows(self, fn) -> BlockQuant:
+        """fn applied to every per-row tensor (a row selection or permutation)."""
+        ks = None if self.ks is None else tuple(fn(t) for t in self.ks)
+        return BlockQuant(fn(self.codes), fn(self.d), fn(self.m), self.bits, self.perm, ks)
 
     @staticmethod
     def same_order(parts: list[BlockQuant]) -> bool:
@@ -85,8 +109,12 @@ class BlockQuant:
         if not BlockQuant.same_order(parts):
             return None
         perm = parts[0].perm
+        bits = max(p.bits for p in parts)
+        ks = None  # kept where every part has it in one code width
+        if all(p.ks is not None and p.bits == bits for p in parts):
+            ks = tuple(torch.cat([p.ks[i] for p in parts]) for i in range(4))
         return BlockQuant(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
-                          torch.cat([p.m for p in parts]), max(p.bits for p in parts), perm)
+                          torch.cat([p.m for p in parts]), bits, perm, ks)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,6 +137,7 @@ def linear_ref(x: torch.Tensor, bq: BlockQuant, bias: torch.Tensor | None = None
     qb = q.double().reshape(-1, k // BLOCK, BLOCK)  # (rows, blocks, 32)
     cb = bq.codes.double().reshape(n, k // BLOCK, BLOCK)  # (n, blocks, 32)
     dots = torch.einsum("rbj,nbj->rnb", qb, cb)
-    y = (dots * bq.d.double()[None] * dx.double()[:, None]).sum(-1)
-    y = y + (qb.sum(-1) * dx.double()) @ bq.m.double().T
+    d, m = bq.scales()
+    y = (dots * d.double()[None] * dx.double()[:, None]).sum(-1)
+    y = y + (qb.sum(-1) * dx.double()) @ m.double().T
     return (y if bias is None else y + bias.double()).float()

@@ -14,8 +14,9 @@ high half for weight 16 + j):
              sub-blocks 2 i / 2 i + 1) before the nibbles
   Q6_K (256) 128 B low nibbles, 64 B high bit pairs, 16 int8 scales (one per 16 weights),
              fp16 d                                   w = d * sc * (q - 32), q in [0, 64)
-The first five convert exactly (Q8_0 as code q + 128, m = -128 d); the K formats' sub-block
-scales d * sc and dmin * mn are rounded to float16 (relative error <= 2**-11 on a scale).
+The first five convert exactly (Q8_0 as code q + 128, m = -128 d); Q4_K and Q5_K too, their
+6-bit sc, mn and float16 d, dmin kept (BlockQuant.ks; the kernels pack them as they are), with
+d * sc and dmin * mn also rounded to float16 for every other use (relative error <= 2**-11).
 Q6_K has a scale per 16 weights: per block of 32 the half with the larger |sc| sets
 D = d * sc / 4 and keeps its codes exactly (4 (q - 32) + 128); the other half's codes are
 rounded to D's grid (error <= 1/8 of its own quantization step). Other types (Q2_K, Q3_K,
@@ -103,7 +104,8 @@ def _k_quant(b: np.ndarray, qtype: int):
         qh, codes = t[:, 16:48], codes.view(-1, 8, 32)  # bit s of byte j: weight j of sub-block s
         for s in range(8):
             codes[:, s] |= ((qh >> s) & 1) << 4
-    return codes.reshape(-1, 256).numpy(), d * sc, -(dmin * mn)
+    ks = (sc.astype(np.uint8), mn.astype(np.uint8), _f16(b, 0), _f16(b, 2))  # exact
+    return codes.reshape(-1, 256).numpy(), d * sc, -(dmin * mn), ks
 
 
 def _q6_k_codes(b: np.ndarray) -> np.ndarray:
@@ -157,12 +159,18 @@ def to_block_quant(data: np.ndarray, qtype: int, rows: int, cols: int) -> BlockQ
     size, bits = _SIMPLE.get(qtype) or _K[qtype]
     blocks = np.asarray(data).reshape(-1, size)
     convert = _simple if qtype in _SIMPLE else _q6_k if qtype == Q.Q6_K else _k_quant
-    codes, d, m = convert(blocks, qtype)
+    codes, d, m, *ks = convert(blocks, qtype)
     shape = (blocks.shape[0], codes.shape[1] // 32)
     d, m = (np.broadcast_to(t.reshape(blocks.shape[0], -1), shape) for t in (d, m))
+    if ks:  # the K formats' integers (rows, cols / 32) and float16 scales (rows, cols / 256)
+        sc, mn, dd, mm = ks[0]
+        ks = (*(torch.from_numpy(np.ascontiguousarray(t).reshape(rows, cols // 32))
+                for t in (sc, mn)),
+              *(torch.from_numpy(np.array(t, np.float16).reshape(rows, cols // 256))
+                for t in (dd, mm)))
     return BlockQuant(
         torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, cols), dtype=np.uint8)),
-        *(_half(t.reshape(rows, cols // 32)) for t in (d, m)), bits)
+        *(_half(t.reshape(rows, cols // 32)) for t in (d, m)), bits, ks=ks or None)
 
 
 def _half(t: np.ndarray) -> torch.Tensor:

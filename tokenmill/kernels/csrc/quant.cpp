@@ -103,7 +103,7 @@ template <int Q, typename O>
 void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const tm_linear* w,
            O* out, int64_t ldo) {
   const int64_t N = w->n, K = w->k, groups = (N + kGroup - 1) / kGroup;
-  const int64_t gstride = K / kBlock * group_bytes(Q);
+  const int64_t gstride = group_stride(Q, K);
   const auto* wq = static_cast<const uint8_t*>(w->packed);
 #ifdef TM_AMX_QUANT
   if (amx_quant_runs(m, w->row_invariant, w->quant))
@@ -148,6 +148,8 @@ void with_quant(int quant, const F& f) {
     case TM_QI8: return f(std::integral_constant<int, TM_QI8>());
     case TM_QI4 | TM_QSYM: return f(std::integral_constant<int, TM_QI4 | TM_QSYM>());
     case TM_QI5 | TM_QSYM: return f(std::integral_constant<int, TM_QI5 | TM_QSYM>());
+    case TM_QI4 | TM_QSUPER: return f(std::integral_constant<int, TM_QI4 | TM_QSUPER>());
+    case TM_QI5 | TM_QSUPER: return f(std::integral_constant<int, TM_QI5 | TM_QSUPER>());
     default: return f(std::integral_constant<int, TM_QI8 | TM_QSYM>());
   }
 }
@@ -241,33 +243,27 @@ void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int o
   int8_rows(dtype, x, m, w, out_dtype, out);
 }
 
-}  // namespace tm
-
-extern "C" {
-
-int tm_quant_fast(void) { return tm::kFastQuant; }
-
-int64_t tm_qpacked_bytes(int quant, int64_t n, int64_t k) {
-  return (n + tm::kGroup - 1) / tm::kGroup * (k / tm::kBlock) * tm::group_bytes(quant);
-}
-
-void tm_qpack(int quant, const uint8_t* codes, const uint16_t* d, const uint16_t* m, int64_t n,
-              int64_t k, uint8_t* out) {
-  using namespace tm;
+// tm_qpack's layout for rows of codes (n, k): per (group, block) scale(blk, o, i) writes output
+// o's scales (i: its index in (n, k / 32) arrays), then the codes; a TM_QSUPER weight's per-256
+// scales through super(header, o, row, s) after each group's blocks
+template <typename Scales, typename Super>
+void qpack_rows(int quant, const uint8_t* codes, int64_t n, int64_t k, uint8_t* out,
+                const Scales& scale, const Super& super) {
   const int64_t blocks = k / kBlock, groups = (n + kGroup - 1) / kGroup;
-  const int64_t gbytes = group_bytes(quant), at = scale_bytes(quant);
+  const int64_t gbytes = group_bytes(quant), at = scale_bytes(quant), stride = group_stride(quant, k);
   const int bits = qbits(quant);
   parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      uint8_t* grp = out + g * blocks * gbytes;
-      std::memset(grp, 0, blocks * gbytes);  // rows past n stay zero; 5-bit words are OR-ed
+      uint8_t* grp = out + g * stride;
+      std::memset(grp, 0, stride);  // rows past n stay zero; 5-bit words are OR-ed
       for (int64_t o = 0; o < kGroup && g * kGroup + o < n; ++o) {
         const int64_t row = g * kGroup + o;
+        if constexpr (!std::is_same_v<Super, std::nullptr_t>)
+          for (int64_t s = 0; s < blocks / kSuper; ++s)
+            super(reinterpret_cast<uint16_t*>(grp + blocks * gbytes + 64 * s), o, row, s);
         for (int64_t b = 0; b < blocks; ++b) {
           uint8_t* blk = grp + b * gbytes;
-          auto* h = reinterpret_cast<uint16_t*>(blk);
-          h[o] = d[row * blocks + b];
-          if (!qsym(quant)) h[kGroup + o] = m[row * blocks + b];
+          scale(blk, o, row * blocks + b);
           const uint8_t* c = codes + row * k + b * kBlock;
           uint8_t* q = blk + at + 4 * o;  // chunk j's 4 bytes of output o: q[64 j + t]
           if (bits == 8) {
@@ -290,6 +286,35 @@ void tm_qpack(int quant, const uint8_t* codes, const uint16_t* d, const uint16_t
   });
 }
 
+}  // namespace tm
+
+extern "C" {
+
+int tm_quant_fast(void) { return tm::kFastQuant; }
+
+int64_t tm_qpacked_bytes(int quant, int64_t n, int64_t k) {
+  return (n + tm::kGroup - 1) / tm::kGroup * tm::group_stride(quant, k);
+}
+
+void tm_qpack(int quant, const uint8_t* codes, const uint16_t* d, const uint16_t* m, int64_t n,
+              int64_t k, uint8_t* out) {
+  tm::qpack_rows(quant, codes, n, k, out, [&](uint8_t* blk, int64_t o, int64_t i) {
+    auto* h = reinterpret_cast<uint16_t*>(blk);
+    h[o] = d[i];
+    if (!tm::qsym(quant)) h[tm::kGroup + o] = m[i];
+  }, nullptr);
+}
+
+void tm_qpack_super(int quant, const uint8_t* codes, const uint8_t* sc, const uint8_t* mn,
+                    const uint16_t* D, const uint16_t* M, int64_t n, int64_t k, uint8_t* out) {
+  const int64_t supers = k / (tm::kSuper * tm::kBlock);
+  tm::qpack_rows(quant, codes, n, k, out, [&](uint8_t* blk, int64_t o, int64_t i) {
+    blk[o] = sc[i], blk[tm::kGroup + o] = mn[i];
+  }, [&](uint16_t* hdr, int64_t o, int64_t row, int64_t s) {
+    hdr[o] = D[row * supers + s], hdr[tm::kGroup + o] = M[row * supers + s];
+  });
+}
+
 int tm_qdequantize(int quant, const uint8_t* packed, int64_t n, int64_t k, const int64_t* rows,
                    int64_t count, float* out) {
   using namespace tm;
@@ -300,11 +325,10 @@ int tm_qdequantize(int quant, const uint8_t* packed, int64_t n, int64_t k, const
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t row = rows ? rows[i] : i, g = row / kGroup, o = row % kGroup;
       for (int64_t b = 0; b < blocks; ++b) {
-        const uint8_t* blk = packed + (g * blocks + b) * group_bytes(quant);
-        const auto* h = reinterpret_cast<const uint16_t*>(blk);
-        const float d = half_to_f(h[o]);
-        const float mn = qsym(quant) ? d * sym_offset(quant) : half_to_f(h[kGroup + o]);
-        const uint8_t* c = blk + scale_bytes(quant);
+        const uint8_t* grp = packed + g * group_stride(quant, k);
+        float d, mn;
+        scales_at(quant, grp, blocks, b, static_cast<int>(o), d, mn);
+        const uint8_t* c = grp + b * group_bytes(quant) + scale_bytes(quant);
         for (int64_t kk = 0; kk < kBlock; ++kk)
           out[i * k + b * kBlock + kk] = d * static_cast<float>(code_at(c, qbits(quant), o, kk)) + mn;
       }

@@ -41,7 +41,15 @@ void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* blk = grp + b * group_bytes(Q);
     const auto* h = reinterpret_cast<const uint16_t*>(blk);
-    const vec d = vload_f16(h), mn = qsym(Q) ? vmul(d, vset1(sym_offset(Q))) : vload_f16(h + kGroup);
+    vec d, mn;
+    if constexpr (qsuper(Q)) {
+      const uint16_t* s = super_scales(Q, grp, K / kBlock, b);
+      d = vmul(vload_i8(reinterpret_cast<const int8_t*>(blk)), vload_f16(s));
+      mn = vsub(vzero(), vmul(vload_i8(reinterpret_cast<const int8_t*>(blk) + kGroup), vload_f16(s + kGroup)));
+    } else {
+      d = vload_f16(h);
+      mn = qsym(Q) ? vmul(d, vset1(sym_offset(Q))) : vload_f16(h + kGroup);
+    }
     for (int64_t j = 0; j < (BITS == 8 ? 8 : 4); ++j) {
       const __m512i c = _mm512_loadu_si512(blk + C + 64 * j);
       __m512i fifth[2] = {};
@@ -78,7 +86,7 @@ void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
 template <int Q, typename O>
 void qgemm_dequant(const bf16* x, int64_t m, const tm_linear* w, O* out, int64_t ldo) {
   const int64_t N = w->n, K = w->k, groups = (N + kGroup - 1) / kGroup, panels = (groups + 1) / 2;
-  const int64_t gstride = K / kBlock * group_bytes(Q), pairs = K / 2;
+  const int64_t gstride = group_stride(Q, K), pairs = K / 2;
   const int64_t block = std::max<int64_t>(32, (512 << 10) / (K * 2) / 32 * 32);  // rows
   const auto* wq = static_cast<const uint8_t*>(w->packed);
   parallel_steal(0, panels, [&](const auto& take) {

@@ -10,16 +10,41 @@ namespace tm {
 
 constexpr int64_t kBlock = 32, kGroup = 16, kRowTile = 8, kRowChunk = 64;
 
-// A weight's quant code (tm.h): its code bits, whether m is implied (TM_QSYM: m = -2^(bits - 1) d),
-// the bytes of scales per (group, block): 16 float16 d then 16 m, or the d alone, and with the
-// codes after them
+// A weight's quant code (tm.h): its code bits; whether m is implied (TM_QSYM: m = -2^(bits - 1) d)
+// or d, m come from integers and per-256 scales (TM_QSUPER); the bytes of scales per (group,
+// block): 16 float16 d then 16 m, the d alone, or 16 sc then 16 mn (uint8); with the codes after
+// them. A TM_QSUPER group holds its blocks, then per 8 blocks 16 D and 16 M (float16, 64 bytes).
 constexpr int qbits(int q) { return q & 15; }
 constexpr bool qsym(int q) { return (q & TM_QSYM) != 0; }
-constexpr int64_t scale_bytes(int q) { return qsym(q) ? 32 : 64; }
+constexpr bool qsuper(int q) { return (q & TM_QSUPER) != 0; }
+constexpr int64_t scale_bytes(int q) { return qsym(q) || qsuper(q) ? 32 : 64; }
 constexpr int64_t group_bytes(int q) {
   return scale_bytes(q) + (qbits(q) == 4 ? 256 : qbits(q) == 5 ? 320 : 512);
 }
+constexpr int64_t kSuper = 8;  // blocks per TM_QSUPER scale pair (256 k)
+constexpr int64_t group_stride(int q, int64_t K) {
+  return K / kBlock * group_bytes(q) + (qsuper(q) ? K / (kSuper * kBlock) * 64 : 0);
+}
+// a TM_QSUPER group's D (16 float16) for block b, M after them
+inline const uint16_t* super_scales(int q, const uint8_t* grp, int64_t blocks, int64_t b) {
+  return reinterpret_cast<const uint16_t*>(grp + blocks * group_bytes(q) + b / kSuper * 64);
+}
 constexpr float sym_offset(int q) { return -static_cast<float>(1 << (qbits(q) - 1)); }
+
+// d and m of output o in block b of the group at grp (K / 32 blocks), in float32
+inline void scales_at(int q, const uint8_t* grp, int64_t blocks, int64_t b, int o, float& d,
+                      float& m) {
+  const uint8_t* blk = grp + b * group_bytes(q);
+  const auto* h = reinterpret_cast<const uint16_t*>(blk);
+  if (qsuper(q)) {
+    const uint16_t* s = super_scales(q, grp, blocks, b);
+    d = static_cast<float>(blk[o]) * half_to_f(s[o]);
+    m = -(static_cast<float>(blk[kGroup + o]) * half_to_f(s[kGroup + o]));
+  } else {
+    d = half_to_f(h[o]);
+    m = qsym(q) ? d * sym_offset(q) : half_to_f(h[kGroup + o]);
+  }
+}
 
 inline int code_at(const uint8_t* codes, int bits, int64_t o, int64_t k) {
   if (bits == 8) return codes[64 * (k / 4) + 4 * o + k % 4];
@@ -54,13 +79,13 @@ void tile_portable(int R, const int8_t* xq, const float* dx, const float* sx, in
     for (int o = 0; o < kGroup; ++o) y[r][o] = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * group_bytes(Q);
-    const auto* h = reinterpret_cast<const uint16_t*>(blk);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + b * kBlock;
       for (int o = 0; o < kGroup; ++o) {
         int32_t s = 0;
         for (int k = 0; k < kBlock; ++k) s += code_at(blk + scale_bytes(Q), qbits(Q), o, k) * xb[k];
-        const float d = half_to_f(h[o]), m = qsym(Q) ? d * sym_offset(Q) : half_to_f(h[kGroup + o]);
+        float d, m;
+        scales_at(Q, w, blocks, b, o, d, m);
         y[r][o] += d * dx[r * blocks + b] * static_cast<float>(s) + m * sx[r * blocks + b];
       }
     }
@@ -79,15 +104,30 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
   __m512 acc[G][R];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
+  __m512 sd[G], sm[G];  // TM_QSUPER: the current 8 blocks' D, M
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk[G];
     __m512 d[G], m[G];
     for (int g = 0; g < G; ++g) {
       blk[g] = w + g * gstride + b * group_bytes(Q);
       prefetch_block<Q>(pf ? pf + g * gstride + b * group_bytes(Q) : nullptr);
-      d[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g])));
-      m[g] = qsym(Q) ? _mm512_mul_ps(d[g], _mm512_set1_ps(sym_offset(Q)))
-                     : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32)));
+      if constexpr (qsuper(Q)) {  // 16 sc, 16 mn times the 8 blocks' D, M
+        if (b % kSuper == 0) {
+          const auto* s = reinterpret_cast<const __m256i*>(super_scales(Q, w + g * gstride, blocks, b));
+          sd[g] = _mm512_cvtph_ps(_mm256_loadu_si256(s));
+          sm[g] = _mm512_cvtph_ps(_mm256_loadu_si256(s + 1));
+        }
+        auto ints = [&](int at) {
+          return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[g] + at))));
+        };
+        d[g] = _mm512_mul_ps(ints(0), sd[g]);
+        m[g] = _mm512_fnmadd_ps(ints(16), sm[g], _mm512_setzero_ps());
+      } else {
+        d[g] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g])));
+        m[g] = qsym(Q) ? _mm512_mul_ps(d[g], _mm512_set1_ps(sym_offset(Q)))
+                       : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32)));
+      }
     }
     __m512i s[G][R];
     for (int g = 0; g < G; ++g)

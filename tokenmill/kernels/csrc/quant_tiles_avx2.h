@@ -36,6 +36,7 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
   __m256 acc[H][R];
   for (int h = 0; h < H; ++h)
     for (int r = 0; r < R; ++r) acc[h][r] = _mm256_setzero_ps();
+  __m256 sd[H], sm[H];  // TM_QSUPER: the current 8 blocks' D, M
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * group_bytes(Q);
     prefetch_block<Q>(pf ? pf + b * group_bytes(Q) : nullptr);
@@ -44,9 +45,25 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
     for (int h = 0; h < H; ++h) {
       const int64_t hh = half + h;
       codes[h] = blk + scale_bytes(Q) + 32 * hh;
-      d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * hh)));
-      m[h] = qsym(Q) ? _mm256_mul_ps(d[h], _mm256_set1_ps(sym_offset(Q)))
-                     : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * hh)));
+      if constexpr (qsuper(Q)) {  // 8 sc, 8 mn of this half times the 8 blocks' D, M
+        if (b % kSuper == 0) {
+          const uint16_t* sup = super_scales(Q, w, blocks, b) + 8 * hh;
+          auto halves = [&](const uint16_t* p) {
+            return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+          };
+          sd[h] = halves(sup), sm[h] = halves(sup + kGroup);
+        }
+        auto ints = [&](int at) {
+          return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + at + 8 * hh))));
+        };
+        d[h] = _mm256_mul_ps(ints(0), sd[h]);
+        m[h] = _mm256_fnmadd_ps(ints(16), sm[h], _mm256_setzero_ps());
+      } else {
+        d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * hh)));
+        m[h] = qsym(Q) ? _mm256_mul_ps(d[h], _mm256_set1_ps(sym_offset(Q)))
+                       : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * hh)));
+      }
       if constexpr (BITS == 8) m[h] = _mm256_fmadd_ps(d[h], _mm256_set1_ps(128.f), m[h]);
     }
     __m256i s[H][R];
