@@ -14,24 +14,22 @@ import torch
 from tokenmill.kernels.elementwise import DTYPES, ElementwiseCalls
 from tokenmill.kernels.isa import os_allows_amx
 from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check, _index, _ptr  # noqa: F401
+from tokenmill.kernels.packed import (  # noqa: F401
+    MAX_RUNS,
+    QSUPER,
+    QSYM,
+    QUANT_BITS,
+    QUANT_GROUP,
+    Linear,
+    PackedLinear,
+    QuantCalls,
+)
 from tokenmill.kernels.weight_arena import ARENA
 
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
-QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
-QSYM = 16  # tm.h TM_QSYM: added to the bits where every m = -2**(bits - 1) d (stored: d alone)
-QSUPER = 32  # tm.h TM_QSUPER: d = sc D, m = -mn M (GGUF's K formats' integers, BlockQuant.ks)
-QUANT_GROUP = 16  # output rows packed together (quant_tiles.h kGroup)
 ABI_VERSION = 22
-MAX_RUNS = 4  # runs of rows of their own code width in one quantized weight (tm.h TM_MAX_RUNS)
 _P, _I = c_void_p, c_int64
-
-
-class Linear(ctypes.Structure):
-    _fields_ = [("packed", c_void_p), ("bias", c_void_p), ("n", c_int64), ("k", c_int64),
-                ("quant", ctypes.c_int32), ("row_invariant", ctypes.c_int32),
-                ("gated", ctypes.c_int32), ("runs", ctypes.c_int32),
-                ("run_quant", ctypes.c_int32 * MAX_RUNS), ("run_end", c_int64 * MAX_RUNS)]
 
 
 class Layer(ctypes.Structure):
@@ -100,28 +98,7 @@ _SIGNATURES = {
 }
 
 
-class PackedLinear:
-    """A weight in the library's panel layout (or block-quantized: `quant` 4 / 5 / 8 code bits,
-    plus QSYM or QSUPER, see tm_qpack; `bits` the code bits) plus its float32 bias, as the C
-    struct reads it; holds the tensors the struct points to."""
-
-    def __init__(self, packed: torch.Tensor, bias: torch.Tensor | None, n: int, k: int,
-                 quant: int = 0, gated: bool = False,
-                 runs: list[tuple[int, int]] | None = None):
-        self.packed, self.bias, self.n, self.k, self.quant = packed, bias, n, k, quant
-        self.bits = quant & 15
-        self.gated = gated  # gate|up interleaved: linear() gives silu(gate) x up (pack)
-        # block-quantized rows in runs of their own quant code: (quant, end row) each, in
-        # order (quant: the widest run's); None: all rows `quant`
-        self.runs = runs
-        self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k, quant, 0, int(gated))
-        if runs:
-            self.struct.runs = len(runs)
-            for i, (b, end) in enumerate(runs):
-                self.struct.run_quant[i], self.struct.run_end[i] = b, end
-
-
-class KernelLib(KVPageCalls, ElementwiseCalls):
+class KernelLib(KVPageCalls, ElementwiseCalls, QuantCalls):
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         self._lib = ctypes.CDLL(str(path))
@@ -205,85 +182,6 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
 
     def can_gate(self, n: int) -> bool:
         return n % self.panel_rows == 0
-
-    def qpack(self, codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bits: int,
-              bias: torch.Tensor | None = None) -> PackedLinear:
-        """Block-quantized (n, k) weight w = d * codes + m: codes (n, k) uint8 below 2**bits,
-        d and m (n, k / 32) float16, repacked for the kernels."""
-        return self.qpack_parts([(codes, d, m)], bits, bias)
-
-    def qpack_parts(self, parts: list[tuple], bits: int | list[int],
-                    bias: torch.Tensor | None = None) -> PackedLinear:
-        """Parts stacked along the output rows (fused q|k|v, gate|up), each (codes, d, m) as
-        for qpack, or (codes, d, m, ks) with a K format's integer scales (BlockQuant.ks),
-        packed where they land with no stacked copy: every part but the last must end on a
-        group of 16 rows (the packed form is group after group). `bits`: one width for every
-        part, or each part's own (adjacent parts of one form make one run of rows,
-        tm_linear.runs)."""
-        k = parts[0][0].shape[1]
-        widths = list(bits) if isinstance(bits, (list, tuple)) else [bits] * len(parts)
-        kss = [p[3] if len(p) > 3 else None for p in parts]
-        parts = [p[:3] for p in parts]
-        for i, ((codes, d, m), b) in enumerate(zip(parts, widths, strict=True)):
-            n = codes.shape[0]
-            _check(b in QUANT_BITS and k % 32 == 0 and codes.shape[1] == k
-                   and codes.dtype == torch.uint8 and d.dtype == m.dtype == torch.float16
-                   and d.shape == m.shape == (n, k // 32)
-                   and (i == len(parts) - 1 or n % QUANT_GROUP == 0),
-                   f"qpack: ({n}, {k}) {b}-bit codes with (n, k / 32) float16 scales "
-                   f"(parts but the last in whole groups of {QUANT_GROUP} rows)")
-        quants = [b | QSUPER if ks is not None and b in (4, 5) and k % 256 == 0
-                  else b | QSYM if _symmetric(d, m, b) else b
-                  for (_, d, m), b, ks in zip(parts, widths, kss)]
-        runs: list[tuple[int, int]] = []  # (quant, end row)
-        row = size = 0
-        for (codes, _, _), q in zip(parts, quants):
-            row += codes.shape[0]
-            size += self._lib.tm_qpacked_bytes(q, codes.shape[0], k)
-            if runs and runs[-1][0] == q:
-                runs[-1] = (q, row)
-            else:
-                runs.append((q, row))
-        _check(len(runs) <= MAX_RUNS, f"qpack: at most {MAX_RUNS} runs of one quant code")
-        packed = ARENA.empty(size, torch.uint8)
-        self._sync_threads()
-        at = packed.data_ptr()
-        for (codes, d, m), q, ks in zip(parts, quants, kss):
-            codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
-            if q & QSUPER:
-                sc, mn, dd, mm = (t.contiguous() for t in ks)
-                self._lib.tm_qpack_super(q, codes.data_ptr(), sc.data_ptr(), mn.data_ptr(),
-                                         dd.data_ptr(), mm.data_ptr(), codes.shape[0], k, at)
-            else:
-                self._lib.tm_qpack(q, codes.data_ptr(), d.data_ptr(), m.data_ptr(),
-                                   codes.shape[0], k, at)
-            at += self._lib.tm_qpacked_bytes(q, codes.shape[0], k)
-        b = None if bias is None else bias.detach().float().contiguous()
-        widest = max(quants, key=lambda q: q & 15)
-        return PackedLinear(packed, b, row, k, widest, runs=runs if len(runs) > 1 else None)
-
-    def qdequantize(self, w: PackedLinear, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """A quantized weight's rows (all, or those indexed by `rows`) in float32."""
-        idx = None if rows is None else _index(rows)
-        _check(w.bits in QUANT_BITS, "qdequantize: a quantized weight")
-        if w.runs:  # each run's rows, then the ones asked for
-            full, at, start = torch.empty(w.n, w.k, dtype=torch.float32), w.packed.data_ptr(), 0
-            for q, end in w.runs:
-                self._sync_threads()
-                self._lib.tm_qdequantize(q, at, end - start, w.k, None, end - start,
-                                         full[start:end].data_ptr())
-                at += self._lib.tm_qpacked_bytes(q, end - start, w.k)
-                start = end
-            _check(idx is None or bool(((idx >= 0) & (idx < w.n)).all()),
-                   f"qdequantize: row indices in [0, {w.n})")
-            return full if idx is None else full[idx]
-        count = w.n if idx is None else idx.numel()
-        out = torch.empty(count, w.k, dtype=torch.float32)
-        self._sync_threads()
-        _check(self._lib.tm_qdequantize(w.quant, w.packed.data_ptr(), w.n, w.k, _ptr(idx), count,
-                                        out.data_ptr()) == 0,
-               f"qdequantize: row indices in [0, {w.n})")
-        return out
 
     def linear(self, x: torch.Tensor, w: PackedLinear, out_fp32: bool = False,
                prompt_rows: list[tuple[int, int]] | None = None) -> torch.Tensor:
@@ -384,12 +282,6 @@ class KernelLib(KVPageCalls, ElementwiseCalls):
                                   0 if ranges is None else ranges.numel() // 2, _ptr(outs),
                                   0 if outs is None else outs.numel())
         return x if outs is None else x[:outs.numel()]
-
-
-def _symmetric(d: torch.Tensor, m: torch.Tensor, bits: int) -> bool:
-    """Whether every block's m is -2**(bits - 1) d (GGUF's Q4_0, Q5_0, Q8_0; exact in float16:
-    a power of two times d)."""
-    return torch.equal(m, d * -(1 << (bits - 1)))
 
 
 def _row_ranges(ranges: list[tuple[int, int]] | None, rows: int) -> torch.Tensor | None:
