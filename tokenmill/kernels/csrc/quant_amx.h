@@ -88,20 +88,8 @@ void amx_rows_group(const int8_t* x, const float* dx, const float* sx, int64_t b
     if (b % 2 == 0) _tile_stored(0, sums, kGroup * sizeof(int32_t));
     else _tile_stored(1, sums, kGroup * sizeof(int32_t));
     // y += m sx, then y += float(s) d dx, as the vector tiles do
-    const uint8_t* blk = grp + b * group_bytes(Q);
-    const auto* h = reinterpret_cast<const uint16_t*>(blk);
     vec d[H], mn[H];
-    for (int l = 0; l < H; ++l) {
-      if constexpr (qsuper(Q)) {
-        const uint16_t* s = super_scales(Q, grp, blocks, b) + l * kLanes;
-        d[l] = vmul(vload_i8(reinterpret_cast<const int8_t*>(blk) + l * kLanes), vload_f16(s));
-        mn[l] = vsub(vzero(), vmul(vload_i8(reinterpret_cast<const int8_t*>(blk) + kGroup + l * kLanes),
-                                   vload_f16(s + kGroup)));
-      } else {
-        d[l] = vload_f16(h + l * kLanes);
-        mn[l] = qsym(Q) ? vmul(d[l], vset1(sym_offset(Q))) : vload_f16(h + kGroup + l * kLanes);
-      }
-    }
+    for (int l = 0; l < H; ++l) vscales<Q>(grp, blocks, b, l * kLanes, d[l], mn[l]);
     for (int r = 0; r < 16; ++r) {
       const vec xd = vset1(dx[r * blocks + b]), xs = vset1(sx[r * blocks + b]);
       for (int l = 0; l < H; ++l) {

@@ -40,16 +40,8 @@ void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
   const __m512i shift4 = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* blk = grp + b * group_bytes(Q);
-    const auto* h = reinterpret_cast<const uint16_t*>(blk);
     vec d, mn;
-    if constexpr (qsuper(Q)) {
-      const uint16_t* s = super_scales(Q, grp, K / kBlock, b);
-      d = vmul(vload_i8(reinterpret_cast<const int8_t*>(blk)), vload_f16(s));
-      mn = vsub(vzero(), vmul(vload_i8(reinterpret_cast<const int8_t*>(blk) + kGroup), vload_f16(s + kGroup)));
-    } else {
-      d = vload_f16(h);
-      mn = qsym(Q) ? vmul(d, vset1(sym_offset(Q))) : vload_f16(h + kGroup);
-    }
+    vscales<Q>(grp, K / kBlock, b, 0, d, mn);
     for (int64_t j = 0; j < (BITS == 8 ? 8 : 4); ++j) {
       const __m512i c = _mm512_loadu_si512(blk + C + 64 * j);
       __m512i fifth[2] = {};

@@ -54,7 +54,6 @@ void qpack_rows(int quant, const uint8_t* codes, int64_t n, int64_t k, uint8_t* 
 
 extern "C" {
 
-
 int64_t tm_qpacked_bytes(int quant, int64_t n, int64_t k) {
   return (n + tm::kGroup - 1) / tm::kGroup * tm::group_stride(quant, k);
 }

@@ -46,6 +46,25 @@ inline void scales_at(int q, const uint8_t* grp, int64_t blocks, int64_t b, int 
   }
 }
 
+#if defined(__AVX2__)  // vload_f16 is x86's
+// scales_at for outputs lane0 .. lane0 + kLanes as vectors (the AMX paths; the register tiles
+// below keep a TM_QSUPER group's D, M across its 8 blocks instead)
+template <int Q>
+inline void vscales(const uint8_t* grp, int64_t blocks, int64_t b, int lane0, vec& d, vec& m) {
+  const uint8_t* blk = grp + b * group_bytes(Q);
+  if constexpr (qsuper(Q)) {
+    const uint16_t* s = super_scales(Q, grp, blocks, b) + lane0;
+    const auto* ints = reinterpret_cast<const int8_t*>(blk) + lane0;  // sc, mn < 64
+    d = vmul(vload_i8(ints), vload_f16(s));
+    m = vsub(vzero(), vmul(vload_i8(ints + kGroup), vload_f16(s + kGroup)));
+  } else {
+    const auto* h = reinterpret_cast<const uint16_t*>(blk) + lane0;
+    d = vload_f16(h);
+    m = qsym(Q) ? vmul(d, vset1(sym_offset(Q))) : vload_f16(h + kGroup);
+  }
+}
+#endif
+
 inline int code_at(const uint8_t* codes, int bits, int64_t o, int64_t k) {
   if (bits == 8) return codes[64 * (k / 4) + 4 * o + k % 4];
   int64_t kk = k % 16, p = 4 * o + kk % 4;  // byte p of chunk kk / 4
