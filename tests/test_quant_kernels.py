@@ -238,6 +238,9 @@ def test_bad_quantized_weights_are_refused(lib):
         quantize(torch.randn(4, 64), "int3")
     with pytest.raises(ValueError, match="qpack"):
         lib.qpack(bq.codes, bq.d.float(), bq.m, 4)
+    kq = random_bq(16, 256, "4k")
+    with pytest.raises(ValueError, match="K scales"):  # D per 32 instead of per 256
+        lib.qpack_parts([(kq.codes, kq.d, kq.m, (*kq.ks[:2], kq.d, kq.d))], 4)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -96,6 +96,11 @@ class QuantCalls:
         for (codes, d, m), q, ks in zip(parts, quants, kss):
             codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
             if q & QSUPER:
+                n = codes.shape[0]
+                _check(all(t.dtype == torch.uint8 and t.shape == (n, k // 32) for t in ks[:2])
+                       and all(t.dtype == torch.float16 and t.shape == (n, k // 256)
+                               for t in ks[2:]),
+                       f"qpack: ({n}, {k}) K scales as uint8 (n, k / 32) and float16 (n, k / 256)")
                 sc, mn, dd, mm = (t.contiguous() for t in ks)
                 self._lib.tm_qpack_super(q, codes.data_ptr(), sc.data_ptr(), mn.data_ptr(),
                                          dd.data_ptr(), mm.data_ptr(), codes.shape[0], k, at)
