@@ -1,12 +1,13 @@
 """GGUF block formats converted to the kernels' block form (quantization/gguf_blocks.py),
 against the gguf package's dequantization: exact for the 32-weight formats, within the float16
-rounding of the sub-block scales for the K formats, and within Q6_K's stated requantization
-error for Q6_K."""
+rounding of the sub-block scales for the K formats, Q6_K exactly as the kernels pack it (q6) and
+its 8-bit conversion within its stated requantization error."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from gguf.constants import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
@@ -41,6 +42,26 @@ def test_k_formats_are_exact(qtype):
     assert np.abs(rounded - ref).max() < 1e-3 * np.abs(ref).max()
 
 
+def converted(bq: BlockQuant) -> BlockQuant:
+    """A Q6_K weight's 8-bit conversion alone (what every use but the packed kernels reads)."""
+    return BlockQuant(bq.codes, bq.d, bq.m, bq.bits)
+
+
+def test_q6_k_is_exact_as_the_kernels_take_it():
+    """q6: the file's codes, int8 scales per 16 and float16 d per 256, dequantized to float32
+    rounding (d * sc * (q - 32), the gguf package's product)."""
+    q = random_blocks(Q.Q6_K, 24, 768, np.random.default_rng(4))
+    bq = to_block_quant(q, Q.Q6_K, 24, 768)
+    codes, sc, dd = bq.q6
+    assert codes.shape == (24, 768) and sc.shape == (24, 48) and dd.shape == (24, 3)
+    assert int(codes.max()) < 64
+    ref = dequantize(q, Q.Q6_K).astype(np.float32)
+    assert np.abs(bq.dequantize().numpy() - ref).max() <= 1e-6 * np.abs(ref).max()
+    assert bq.rows(slice(8, 16)).q6[1].shape == (8, 48)
+    assert torch.equal(BlockQuant.cat([bq.rows(slice(0, 16)), bq.rows(slice(16, 24))]).q6[0],
+                       codes)
+
+
 @pytest.mark.parametrize("rows,cols", [(8, 512), (40, 16384)])  # more than one of _q6_k's chunks
 def test_q6_k_within_its_stated_error(rows, cols):
     """Per block of 32, the half with the larger |sc| exact (up to the float16 scale), the
@@ -51,7 +72,7 @@ def test_q6_k_within_its_stated_error(rows, cols):
     q = random_blocks(Q.Q6_K, rows, cols, np.random.default_rng(1))
     b = q.reshape(-1, 210)
     bq = to_block_quant(q, Q.Q6_K, rows, cols)
-    ours = bq.dequantize().numpy().reshape(-1, 2, 16)
+    ours = converted(bq).dequantize().numpy().reshape(-1, 2, 16)
     ref = dequantize(q, Q.Q6_K).astype(np.float32).reshape(-1, 2, 16)
     sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 2)
     big = np.abs(sc[:, 0]) >= np.abs(sc[:, 1])
@@ -70,7 +91,7 @@ def test_q6_k_with_equal_half_scales_is_exact_up_to_the_scale():
     q[:, 192:208] = 5  # every sub-block scale equal: no requantization
     q = q.reshape(8, -1)
     ref = dequantize(q, Q.Q6_K).astype(np.float32)
-    ours = to_block_quant(q, Q.Q6_K, 8, 512).dequantize().numpy()
+    ours = converted(to_block_quant(q, Q.Q6_K, 8, 512)).dequantize().numpy()
     assert np.abs(ours - ref).max() < 2 ** -11 * np.abs(ref).max()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,13 +27,42 @@ def lib(request):
 
 
 # code widths, the symmetric forms ("4s": m = -8 d in every block, as GGUF's Q4_0; packed with d
-# alone, QSYM) and the K formats' integer scales ("4k": d = sc D, m = -mn M, as Q4_K; packed
-# as they are, QSUPER, where k is a multiple of 256)
-FORMATS = [4, 5, 8, "4s", "5s", "8s", "4k", "5k"]
+# alone, QSYM), the K formats' integer scales ("4k": d = sc D, m = -mn M, as Q4_K; packed
+# as they are, QSUPER, where k is a multiple of 256) and Q6_K ("6k": 6-bit codes, a scale per
+# 16; packed as it is where k is a multiple of 256, else its 8-bit conversion)
+FORMATS = [4, 5, 8, "4s", "5s", "8s", "4k", "5k", "6k"]
+
+
+def quant_of(fmt, k: int) -> int:
+    """The quant code the packer gives fmt (tm.h)."""
+    from tokenmill.kernels.lib import Q6_K, QSUPER, QSYM
+
+    bits, kind = int(str(fmt)[0]), str(fmt)[1:]
+    if kind == "k" and k % 256 == 0:
+        return Q6_K if bits == 6 else bits | QSUPER
+    return (8 if bits == 6 else bits) | (QSYM if kind == "s" or bits == 6 else 0)
+
+
+def random_q6_k(n: int, k: int, seed: int) -> BlockQuant:
+    """A Q6_K weight from random file blocks (its exact q6 and its 8-bit conversion)."""
+    from gguf.constants import GGMLQuantizationType
+
+    from tests.gguf_util import random_blocks
+    from tokenmill.quantization.gguf_blocks import to_block_quant
+
+    kk = (k + 255) // 256 * 256  # whole 256-blocks, then the columns asked for
+    blocks = random_blocks(GGMLQuantizationType.Q6_K, n, kk, np.random.default_rng(seed))
+    bq = to_block_quant(blocks, GGMLQuantizationType.Q6_K, n, kk)
+    if kk == k:
+        return bq
+    return BlockQuant(bq.codes[:, :k].contiguous(), bq.d[:, :k // 32].contiguous(),
+                      bq.m[:, :k // 32].contiguous(), 8)
 
 
 def random_bq(n: int, k: int, fmt: int | str, seed: int = 0) -> BlockQuant:
     bits, kind = int(str(fmt)[0]), str(fmt)[1:]
+    if bits == 6:
+        return random_q6_k(n, k, seed)
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
     d = (torch.rand(n, k // 32, generator=g) * 0.1).half()
@@ -50,40 +80,43 @@ def random_bq(n: int, k: int, fmt: int | str, seed: int = 0) -> BlockQuant:
 
 def pack(lib, bq: BlockQuant, bias=None):
     """bq packed as the engine packs a weight (KernelOps.pack_quantized: the K scales too)."""
-    return lib.qpack_parts([(bq.codes, bq.d, bq.m, bq.ks)], bq.bits, bias)
+    return lib.qpack_parts([(bq.codes, bq.d, bq.m, bq.ks, bq.q6)], bq.bits, bias)
 
 
 def check_packed_form(layer, fmt) -> None:
     """The layer packed as fmt says: per group of 16 rows and block of 32 columns, 16 float16 d
-    (symmetric), 16 sc and 16 mn (K scales, and per 8 blocks 16 D and 16 M), or 16 d and 16 m,
-    then the codes."""
+    (symmetric), 16 sc and 16 mn (K scales, and per 8 blocks 16 D and 16 M; Q6_K: 16 sc per
+    half block, and per 8 blocks 16 D), or 16 d and 16 m, then the codes."""
     from tokenmill.kernels.lib import QSUPER, QSYM
 
-    sym, ks = str(fmt).endswith("s"), str(fmt).endswith("k") and layer.k % 256 == 0
-    assert layer.quant == layer.bits | (QSYM if sym else QSUPER if ks else 0)
-    block = (32 if sym or ks else 64) + {4: 256, 5: 320, 8: 512}[layer.bits]
+    q = quant_of(fmt, layer.k)
+    assert layer.quant == q and layer.bits == q & 15
+    block = (32 if q & (QSYM | QSUPER) else 64) + {4: 256, 5: 320, 6: 384, 8: 512}[layer.bits]
+    header = 32 if layer.bits == 6 else 64 if q & QSUPER else 0  # per 8 blocks
     groups, blocks = (layer.n + 15) // 16, layer.k // 32
-    assert layer.packed.numel() == groups * (blocks * block + (blocks // 8 * 64 if ks else 0))
+    assert layer.packed.numel() == groups * (blocks * block + blocks // 8 * header)
 
 
 @pytest.mark.parametrize("sizes,fmts", [([32, 16, 16], (4, 4, 4)), ([48, 16, 37], (4, 5, 8)),
                                          ([64, 64], (5, 4)), ([32, 32, 16], (4, 4, 8)),
                                          ([32, 16, 16], ("8s", "8s", 8)),
-                                         ([32, 16, 16], ("4k", "4k", 8))])
+                                         ([32, 16, 16], ("4k", "4k", 8)),
+                                         ([32, 16, 16], ("4k", "4k", "6k")),
+                                         ([32, 32], ("6k", "6k"))])
 def test_fused_parts_pack_in_place(lib, sizes, fmts):
     """Parts packed where they land (a fused q|k|v, gate|up), each in its own form: one form
     packs byte for byte as the stack; mixed widths (or symmetric beside not) make runs of rows
     (tm_linear.runs) whose outputs are each part's own, bit for bit; a part ending inside a
     group of 16 rows is refused (the loader stacks those)."""
-    from tokenmill.kernels.lib import QSUPER, QSYM, PackedLinear
+    from tokenmill.kernels.lib import PackedLinear
     from tokenmill.layers.kernel_ops import KernelOps
 
     k = 256 if any(str(f).endswith("k") for f in fmts) else 96
     parts = [random_bq(n, k, f, seed=i) for i, (n, f) in enumerate(zip(sizes, fmts))]
     stacked = BlockQuant.cat(parts)
     got = KernelOps(lib).pack_quantized(parts)
-    quants = [p.bits | {"s": QSYM, "k": QSUPER}.get(str(f)[1:], 0) for p, f in zip(parts, fmts)]
-    assert (got.n, got.k, got.bits) == (sum(sizes), k, max(p.bits for p in parts))
+    quants = [quant_of(f, k) for f in fmts]
+    assert (got.n, got.k, got.bits) == (sum(sizes), k, max(q & 15 for q in quants))
     if len(set(quants)) == 1:
         want = pack(lib, stacked)
         assert got.runs is None and torch.equal(got.packed, want.packed)
@@ -160,11 +193,17 @@ def test_integer_sums_at_their_bound(lib, fmt, sign):
     codes[1::2, ::3] = 0  # and a few rows mixing both ends
     d = torch.full((n, k // 32), 1e-3).half()
     m = d * -(1 << (bits - 1)) if kind == "s" else torch.full((n, k // 32), -1e-2).half()
-    ks = None
-    if kind == "k":  # the largest integer scales
+    ks = q6 = None
+    if kind == "k" and bits == 6:  # Q6_K: the int8 scales at both ends, beside its conversion
+        sc = torch.full((n, k // 16), 127, dtype=torch.int8)
+        sc[::3] = -128
+        q6 = (codes, sc, torch.full((n, k // 256), 1e-4).half())
+        codes, bits = torch.full((n, k), 255, dtype=torch.uint8), 8
+        m = d * -128
+    elif kind == "k":  # the largest integer scales
         sc = mn = torch.full((n, k // 32), 63, dtype=torch.uint8)
         ks = (sc, mn, (d[:, ::8].float() / 63).half(), (-m[:, ::8].float() / 63).half())
-    bq = BlockQuant(codes, d, m, bits, ks=ks)
+    bq = BlockQuant(codes, d, m, bits, ks=ks, q6=q6)
     layer = pack(lib, bq)
     check_packed_form(layer, fmt)
     x = torch.full((5, k), sign * 3.0)  # quantizes to +-127 in every position

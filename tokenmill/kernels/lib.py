@@ -16,6 +16,7 @@ from tokenmill.kernels.isa import os_allows_amx
 from tokenmill.kernels.kv_pages import KV_FORMATS, KVPageCalls, KVPages, _check, _index, _ptr  # noqa: F401
 from tokenmill.kernels.packed import (  # noqa: F401
     MAX_RUNS,
+    Q6_K,
     QSUPER,
     QSYM,
     QUANT_BITS,
@@ -28,7 +29,7 @@ from tokenmill.kernels.weight_arena import ARENA
 
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
-ABI_VERSION = 22
+ABI_VERSION = 23
 _P, _I = c_void_p, c_int64
 
 

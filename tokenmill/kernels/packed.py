@@ -1,8 +1,8 @@
 """A weight as the kernels take it (csrc/tm.h tm_linear): the panels of a float weight, or a
 block-quantized one repacked (csrc/quant_pack.cpp) with its scales as compact as its format
 allows: float16 d and m per 32 weights, d alone where m = -2^(bits-1) d (QSYM), or the GGUF K
-formats' integers per 32 and float16 pair per 256 (QSUPER); fused parts in runs of their own
-form. QuantCalls packs and unpacks them: a mixin of KernelLib (its `_lib` and `_sync_threads`),
+formats' integers per 32 and float16 pair per 256 (QSUPER), Q6_K's 6-bit codes with an int8
+scale per 16 and float16 D per 256 (6 | QSUPER); fused parts in runs of their own form. QuantCalls packs and unpacks them: a mixin of KernelLib (its `_lib` and `_sync_threads`),
 with the same checks before any pointer reaches C."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from tokenmill.kernels.kv_pages import _check, _index, _ptr
 from tokenmill.kernels.weight_arena import ARENA
 
 QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code bits)
+Q6_K = 6 | 32  # tm.h TM_QI6 | TM_QSUPER: GGUF's Q6_K as it is (BlockQuant.q6)
 QSYM = 16  # tm.h TM_QSYM: added to the bits where every m = -2**(bits - 1) d (stored: d alone)
 QSUPER = 32  # tm.h TM_QSUPER: d = sc D, m = -mn M (GGUF's K formats' integers, BlockQuant.ks)
 QUANT_GROUP = 16  # output rows packed together (quant_tiles.h kGroup)
@@ -60,14 +61,16 @@ class QuantCalls:
     def qpack_parts(self, parts: list[tuple], bits: int | list[int],
                     bias: torch.Tensor | None = None) -> PackedLinear:
         """Parts stacked along the output rows (fused q|k|v, gate|up), each (codes, d, m) as
-        for qpack, or (codes, d, m, ks) with a K format's integer scales (BlockQuant.ks),
-        packed where they land with no stacked copy: every part but the last must end on a
+        for qpack, or (codes, d, m, ks) with a K format's integer scales (BlockQuant.ks), or
+        (codes, d, m, ks, q6) with Q6_K's exact form (BlockQuant.q6, packed instead of the
+        8-bit codes), packed where they land with no stacked copy: every part but the last must end on a
         group of 16 rows (the packed form is group after group). `bits`: one width for every
         part, or each part's own (adjacent parts of one form make one run of rows,
         tm_linear.runs)."""
         k = parts[0][0].shape[1]
         widths = list(bits) if isinstance(bits, (list, tuple)) else [bits] * len(parts)
         kss = [p[3] if len(p) > 3 else None for p in parts]
+        q6s = [p[4] if len(p) > 4 and k % 256 == 0 else None for p in parts]
         parts = [p[:3] for p in parts]
         for i, ((codes, d, m), b) in enumerate(zip(parts, widths, strict=True)):
             n = codes.shape[0]
@@ -77,9 +80,10 @@ class QuantCalls:
                    and (i == len(parts) - 1 or n % QUANT_GROUP == 0),
                    f"qpack: ({n}, {k}) {b}-bit codes with (n, k / 32) float16 scales "
                    f"(parts but the last in whole groups of {QUANT_GROUP} rows)")
-        quants = [b | QSUPER if ks is not None and b in (4, 5) and k % 256 == 0
+        quants = [Q6_K if q6 is not None
+                  else b | QSUPER if ks is not None and b in (4, 5) and k % 256 == 0
                   else b | QSYM if _symmetric(d, m, b) else b
-                  for (_, d, m), b, ks in zip(parts, widths, kss)]
+                  for (_, d, m), b, ks, q6 in zip(parts, widths, kss, q6s)]
         runs: list[tuple[int, int]] = []  # (quant, end row)
         row = size = 0
         for (codes, _, _), q in zip(parts, quants):
@@ -93,9 +97,19 @@ class QuantCalls:
         packed = ARENA.empty(size, torch.uint8)
         self._sync_threads()
         at = packed.data_ptr()
-        for (codes, d, m), q, ks in zip(parts, quants, kss):
+        for (codes, d, m), q, ks, q6 in zip(parts, quants, kss, q6s):
             codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
-            if q & QSUPER:
+            if q == Q6_K:
+                n = codes.shape[0]
+                _check(q6[0].dtype == torch.uint8 and q6[0].shape == (n, k)
+                       and q6[1].dtype == torch.int8 and q6[1].shape == (n, k // 16)
+                       and q6[2].dtype == torch.float16 and q6[2].shape == (n, k // 256),
+                       f"qpack: ({n}, {k}) Q6_K as uint8 codes, int8 (n, k / 16) and float16 "
+                       "(n, k / 256) scales")
+                c6, sc, dd = (t.contiguous() for t in q6)
+                self._lib.tm_qpack_super(q, c6.data_ptr(), sc.data_ptr(), None, dd.data_ptr(),
+                                         None, n, k, at)
+            elif q & QSUPER:
                 n = codes.shape[0]
                 _check(all(t.dtype == torch.uint8 and t.shape == (n, k // 32) for t in ks[:2])
                        and all(t.dtype == torch.float16 and t.shape == (n, k // 256)
@@ -115,7 +129,7 @@ class QuantCalls:
     def qdequantize(self, w: PackedLinear, rows: torch.Tensor | None = None) -> torch.Tensor:
         """A quantized weight's rows (all, or those indexed by `rows`) in float32."""
         idx = None if rows is None else _index(rows)
-        _check(w.bits in QUANT_BITS, "qdequantize: a quantized weight")
+        _check(w.bits in (*QUANT_BITS, 6), "qdequantize: a quantized weight")
         if w.runs:  # each run's rows, then the ones asked for
             full, at, start = torch.empty(w.n, w.k, dtype=torch.float32), w.packed.data_ptr(), 0
             for q, end in w.runs:

@@ -88,7 +88,7 @@ class KernelOps(TorchOps):
 
         if any(p.shape[0] % QUANT_GROUP for p in parts[:-1]) or len(parts) > MAX_RUNS:
             parts = [BlockQuant.cat(parts)]
-        return self.lib.qpack_parts([(p.codes, p.d, p.m, p.ks) for p in parts],
+        return self.lib.qpack_parts([(p.codes, p.d, p.m, p.ks, p.q6) for p in parts],
                                     [p.bits for p in parts])
 
     def dequantize(self, q, rows=None):

@@ -6,8 +6,9 @@ LinearMethod per format; here each format only has to say how its bytes map to t
 one kernel runs them all: kernels/csrc/quant.cpp). The methods:
 
 - GGUF blocks (gguf_blocks.py), kept from the file: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K and
-  Q5_K exactly (the K formats' integer scales kept as ks), Q6_K with one of its two
-  sub-block scales per 32 weights requantized (gguf_blocks.py states the error);
+  Q5_K exactly (the K formats' integer scales kept as ks), Q6_K exactly as q6 (its 6-bit codes
+  and scale per 16 weights, which the kernels pack as they are) and, for every other use, with
+  one of its two sub-block scales per 32 weights requantized (gguf_blocks.py states the error);
 - on the fly from float weights (rtn.py): "int8" (per output channel, symmetric) and "int4"
   (groups of 32 or 128, asymmetric), round to nearest.
 """
@@ -39,6 +40,9 @@ class BlockQuant:
     # GGUF's K formats exactly: d = sc D, m = -mn M with sc, mn (n, k / 32) uint8 < 64 and D, M
     # (n, k / 256) float16 (d and m above hold them rounded to float16); the kernels pack these
     ks: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # GGUF's Q6_K exactly: w = sc D (q - 32) with codes q (n, k) uint8 < 64, sc (n, k / 16) int8
+    # and D (n, k / 256) float16; codes, d, m above hold its 8-bit conversion for every other use
+    q6: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
@@ -57,6 +61,12 @@ class BlockQuant:
                 or any(t.shape != (n, k // (8 * BLOCK)) or t.dtype != torch.float16
                        for t in self.ks[2:])):
             raise ValueError(f"quantized weight of shape {(n, k)}: K-format scales do not match")
+        if self.q6 is not None and (
+                k % (8 * BLOCK) or self.q6[0].shape != (n, k) or self.q6[0].dtype != torch.uint8
+                or self.q6[1].shape != (n, k // 16) or self.q6[1].dtype != torch.int8
+                or self.q6[2].shape != (n, k // 256) or self.q6[2].dtype != torch.float16):
+            raise ValueError(f"quantized weight of shape {(n, k)}: Q6_K codes and scales do "
+                             "not match")
         if self.bits < 8 and self.codes.numel() and int(self.codes.max()) >= 1 << self.bits:
             raise ValueError(f"{self.bits}-bit quantized weight has codes above "
                              f"{(1 << self.bits) - 1}")
@@ -69,9 +79,14 @@ class BlockQuant:
         """The float32 weight (the reference the kernels are tested against), its columns in
         input order (or as stored, permuted by perm)."""
         n, k = self.codes.shape
-        c = self.codes.reshape(n, k // BLOCK, BLOCK).float()
-        d, m = self.scales()
-        w = (c * d[..., None] + m[..., None]).reshape(n, k)
+        if self.q6 is not None:  # exact
+            q, sc, dd = self.q6
+            scale = sc.float() * dd.float().repeat_interleave(16, 1)
+            w = ((q.float().reshape(n, k // 16, 16) - 32) * scale[..., None]).reshape(n, k)
+        else:
+            c = self.codes.reshape(n, k // BLOCK, BLOCK).float()
+            d, m = self.scales()
+            w = (c * d[..., None] + m[..., None]).reshape(n, k)
         if self.perm is None or stored_order:
             return w
         return w[:, torch.argsort(self.perm)]
@@ -92,7 +107,8 @@ class BlockQuant:
     def map_rows(self, fn) -> BlockQuant:
         """fn applied to every per-row tensor (a row selection or permutation)."""
         ks = None if self.ks is None else tuple(fn(t) for t in self.ks)
-        return BlockQuant(fn(self.codes), fn(self.d), fn(self.m), self.bits, self.perm, ks)
+        q6 = None if self.q6 is None else tuple(fn(t) for t in self.q6)
+        return BlockQuant(fn(self.codes), fn(self.d), fn(self.m), self.bits, self.perm, ks, q6)
 
     @staticmethod
     def same_order(parts: list[BlockQuant]) -> bool:
@@ -113,8 +129,11 @@ class BlockQuant:
         ks = None  # kept where every part has it in one code width
         if all(p.ks is not None and p.bits == bits for p in parts):
             ks = tuple(torch.cat([p.ks[i] for p in parts]) for i in range(4))
+        q6 = None
+        if all(p.q6 is not None for p in parts):
+            q6 = tuple(torch.cat([p.q6[i] for p in parts]) for i in range(3))
         return BlockQuant(torch.cat([p.codes for p in parts]), torch.cat([p.d for p in parts]),
-                          torch.cat([p.m for p in parts]), bits, perm, ks)
+                          torch.cat([p.m for p in parts]), bits, perm, ks, q6)
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,6 +153,13 @@ def linear_ref(x: torch.Tensor, bq: BlockQuant, bias: torch.Tensor | None = None
     the activations' rounding (~0.5 % of the output's scale on random data)."""
     q, dx = quantize_activations(x)
     n, k = bq.shape
+    if bq.q6 is not None:  # per half block: d sc D dx sum((code - 32) q)
+        codes, sc, dd = bq.q6
+        qh = q.double().reshape(-1, k // 16, 16)
+        dots = torch.einsum("rhj,nhj->rnh", qh, codes.double().reshape(n, k // 16, 16) - 32)
+        scale = sc.double() * dd.double().repeat_interleave(16, 1)  # (n, k / 16)
+        y = (dots * scale[None] * dx.double().repeat_interleave(2, 1)[:, None]).sum(-1)
+        return (y if bias is None else y + bias.double()).float()
     qb = q.double().reshape(-1, k // BLOCK, BLOCK)  # (rows, blocks, 32)
     cb = bq.codes.double().reshape(n, k // BLOCK, BLOCK)  # (n, blocks, 32)
     dots = torch.einsum("rbj,nbj->rnb", qb, cb)

@@ -17,10 +17,12 @@ high half for weight 16 + j):
 The first five convert exactly (Q8_0 as code q + 128, m = -128 d); Q4_K and Q5_K too, their
 6-bit sc, mn and float16 d, dmin kept (BlockQuant.ks; the kernels pack them as they are), with
 d * sc and dmin * mn also rounded to float16 for every other use (relative error <= 2**-11).
-Q6_K has a scale per 16 weights: per block of 32 the half with the larger |sc| sets
-D = d * sc / 4 and keeps its codes exactly (4 (q - 32) + 128); the other half's codes are
-rounded to D's grid (error <= 1/8 of its own quantization step). Other types (Q2_K, Q3_K,
-IQ*, ...) return None: the loader dequantizes those.
+Q6_K has a scale per 16 weights. It is kept exactly (BlockQuant.q6: its 6-bit codes, int8
+scales and float16 d; the kernels pack these as they are) and converted for every other use:
+per block of 32 the half with the larger |sc| sets D = d * sc / 4 and keeps its codes exactly
+(4 (q - 32) + 128); the other half's codes are rounded to D's grid (error <= 1/8 of its own
+quantization step). Other types (Q2_K, Q3_K, IQ*, ...) return None: the loader dequantizes
+those.
 """
 
 from __future__ import annotations
@@ -130,21 +132,23 @@ _Q6_K_CHUNK = 2048  # blocks (512K weights: 2 MiB in float32)
 
 
 def _q6_k(b: np.ndarray, qtype: int):
-    """Q6_K -> 8-bit codes per block of 32 (see the module docstring)."""
+    """Q6_K -> 8-bit codes per block of 32 (see the module docstring), and its exact 6-bit
+    codes, int8 scales per 16 and float16 d per 256."""
+    exact = (_q6_k_codes(b), b[:, 192:208].view(np.int8), _f16(b, 208))
     sc = b[:, 192:208].view(np.int8).astype(np.float32).reshape(-1, 8, 2)
     big = np.abs(sc[..., 0]) >= np.abs(sc[..., 1])  # which half sets the block's scale
     smax = np.where(big, sc[..., 0], sc[..., 1])
     ratio = np.where(smax[..., None] == 0, 0.0, sc / np.where(smax == 0, 1.0, smax)[..., None])
     # round(4 (q - 32) ratio) + 128 in float32, written over q; in chunks of blocks that stay
     # in cache (one float32 copy of a whole tensor took 4 bytes a weight of fresh memory)
-    codes = torch.from_numpy(_q6_k_codes(b))
+    codes = torch.from_numpy(exact[0].copy())
     r4 = torch.from_numpy(4 * ratio.astype(np.float32, copy=False))[..., None]
     for s in range(0, codes.shape[0], _Q6_K_CHUNK):
         x = codes[s:s + _Q6_K_CHUNK].view(-1, 8, 2, 16).float().sub_(32)
         x.mul_(r4[s:s + _Q6_K_CHUNK]).round_().add_(128).clamp_(0, 255)
         codes[s:s + _Q6_K_CHUNK] = x.view(-1, 256)
     d = _f32(b, 208)[:, None] * smax / 4
-    return codes.numpy(), d, -128 * d
+    return codes.numpy(), d, -128 * d, exact
 
 
 _SIMPLE = {Q.Q4_0: (18, 4), Q.Q4_1: (20, 4), Q.Q5_0: (22, 5), Q.Q5_1: (24, 5), Q.Q8_0: (34, 8)}
@@ -162,6 +166,12 @@ def to_block_quant(data: np.ndarray, qtype: int, rows: int, cols: int) -> BlockQ
     codes, d, m, *ks = convert(blocks, qtype)
     shape = (blocks.shape[0], codes.shape[1] // 32)
     d, m = (np.broadcast_to(t.reshape(blocks.shape[0], -1), shape) for t in (d, m))
+    q6 = None
+    if qtype == Q.Q6_K:  # codes (rows, cols), int8 scales (rows, cols / 16), d (rows, cols / 256)
+        q6c, q6s, q6d = ks.pop()
+        q6 = (torch.from_numpy(q6c.reshape(rows, cols)),
+              torch.from_numpy(np.ascontiguousarray(q6s).reshape(rows, cols // 16)),
+              torch.from_numpy(np.array(q6d, np.float16).reshape(rows, cols // 256)))
     if ks:  # the K formats' integers (rows, cols / 32) and float16 scales (rows, cols / 256)
         sc, mn, dd, mm = ks[0]
         ks = (*(torch.from_numpy(np.ascontiguousarray(t).reshape(rows, cols // 32))
@@ -170,7 +180,7 @@ def to_block_quant(data: np.ndarray, qtype: int, rows: int, cols: int) -> BlockQ
                 for t in (dd, mm)))
     return BlockQuant(
         torch.from_numpy(np.ascontiguousarray(codes.reshape(rows, cols), dtype=np.uint8)),
-        *(_half(t.reshape(rows, cols // 32)) for t in (d, m)), bits, ks=ks or None)
+        *(_half(t.reshape(rows, cols // 32)) for t in (d, m)), bits, ks=ks or None, q6=q6)
 
 
 def _half(t: np.ndarray) -> torch.Tensor:

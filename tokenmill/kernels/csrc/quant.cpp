@@ -39,10 +39,11 @@
 namespace tm {
 
 // 32 values -> int8 codes q = round(x / dx), dx = max |x| / 127 (round to nearest even; the
-// activations llama.cpp's CPU kernels use too); returns sum(q). (Two int8 digits per value,
-// tried for precision, made batches of 16 rows 2x slower: docs/performance.md.)
+// activations llama.cpp's CPU kernels use too); sums sum(q) of its halves (k < 16, k >= 16) in
+// half[2]. (Two int8 digits per value, tried for precision, made batches of 16 rows 2x slower:
+// docs/performance.md.)
 template <typename T>
-inline int quantize_block(const T* x, int8_t* q, float* d) {
+inline void quantize_block(const T* x, int8_t* q, float* d, int* half) {
 #if defined(__AVX512F__)
   vec lo = vload(x), hi = vload(x + 16);
   float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -52,33 +53,35 @@ inline int quantize_block(const T* x, int8_t* q, float* d) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qlo));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qhi));
   *d = amax / 127.f;
-  return _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  half[0] = _mm512_reduce_add_epi32(qlo), half[1] = _mm512_reduce_add_epi32(qhi);
 #else
   float amax = 0.f;
   for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(to_f(x[j])));
   float inv = amax > 0.f ? 127.f / amax : 0.f;
-  int sum = 0;
+  half[0] = half[1] = 0;
   for (int j = 0; j < kBlock; ++j) {
     q[j] = static_cast<int8_t>(std::nearbyint(to_f(x[j]) * inv));
-    sum += q[j];
+    half[j / 16] += q[j];
   }
   *d = amax / 127.f;
-  return sum;
 #endif
 }
 
-// x (m, K) -> int8 codes, per-block scales dx and dx * sum(codes). The codes row by row, or
-// `tiled` (the AMX tiles' left operand, quant_amx.h): per 16 rows and block, 16 x 32 bytes.
+// x (m, K) -> int8 codes, per-block scales dx and dx * sum(codes) (sx; sh: per half block,
+// the 6-bit weights' sums). The codes row by row, or `tiled` (the AMX tiles' left operand,
+// quant_amx.h): per 16 rows and block, 16 x 32 bytes.
 template <typename T>
 void quantize_rows(const T* x, int64_t m, int64_t K, int8_t* xq, float* dx, float* sx,
-                   bool tiled) {
+                   float* sh, bool tiled) {
   const int64_t blocks = K / kBlock;
   parallel_for(0, m * blocks, 256, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r = b / blocks;
       const int64_t at = tiled ? ((r / 16 * blocks + b % blocks) * 16 + r % 16) * kBlock : b * kBlock;
-      int sum = quantize_block(x + b * kBlock, xq + at, dx + b);
-      sx[b] = dx[b] * static_cast<float>(sum);
+      int half[2];
+      quantize_block(x + b * kBlock, xq + at, dx + b, half);
+      sx[b] = dx[b] * static_cast<float>(half[0] + half[1]);
+      sh[2 * b] = dx[b] * static_cast<float>(half[0]), sh[2 * b + 1] = dx[b] * static_cast<float>(half[1]);
     }
   });
 }
@@ -105,7 +108,7 @@ template <int Q, typename O>
 void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const tm_linear* w,
            O* out, int64_t ldo) {
   const int64_t N = w->n, K = w->k, groups = (N + kGroup - 1) / kGroup;
-  const int64_t gstride = group_stride(Q, K);
+  const int64_t gstride = group_stride(Q, K), sums = sums_per_block(Q);
   const auto* wq = static_cast<const uint8_t*>(w->packed);
 #ifdef TM_AMX_QUANT
   if (amx_quant_runs(m, w->row_invariant, w->quant))
@@ -116,24 +119,37 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
 #endif
   parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     float y[2 * kRowTile][kGroup];
+    thread_local std::vector<uint8_t> wide;  // a 6-bit group widened (widen_q6)
+    if (kWidenQ6 && qbits(Q) == 6 && m >= kWidenRows) wide.resize(2 * group_stride(kQ6Wide, K));
     for (int64_t i0 = 0; i0 < m; i0 += kRowChunk) {  // input rows stay in cache across groups
       const int64_t i1 = std::min(m, i0 + kRowChunk);
       for (int64_t g = g0; g < g1;) {
         // two groups at once where a row's broadcast feeds both (VNNI), in tiles of fewer rows
-        const bool pair = kGroupPairs && g + 1 < g1;
+        // (6-bit codes: their unpacking, not the broadcasts, bounds them, 8-row tiles; but
+        // widened, as 8-bit codes)
+        const bool widen = kWidenQ6 && qbits(Q) == 6 && i1 - i0 >= kWidenRows;
+        const bool pair = kGroupPairs && (qbits(Q) != 6 || widen) && g + 1 < g1;
+        const int64_t wstride = group_stride(kQ6Wide, K);
+        if (widen) {  // the group (pair) widened once for the row chunk
+          widen_q6(wq + g * gstride, K, wide.data());
+          if (pair) widen_q6(wq + (g + 1) * gstride, K, wide.data() + wstride);
+        }
         const int64_t tile_rows = w->row_invariant ? 1 : pair ? kPairRows : kRowTile;
         for (int64_t i = i0; i < i1; i += tile_rows) {
           const int R = static_cast<int>(std::min(tile_rows, i1 - i));
           const int64_t bi = i * (K / kBlock), next = g + (pair ? 2 : 1);
           const uint8_t* pf = i == i0 && next < g1 ? wq + next * gstride : nullptr;
-          if (pair) {
-            tile_pair<Q>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, gstride, y, pf);
-            store_group(w, out, ldo, i, R, g, y);
-            store_group(w, out, ldo, i, R, g + 1, y + R);
+          if (widen) {  // (widen_q6 reads the codes: nothing to prefetch)
+            const uint8_t* wd = wide.data();
+            if (pair) tile_pair<kQ6Wide>(R, xq + i * K, dx + bi, sx + bi * sums, K, wd, wstride, y, nullptr);
+            else tile<kQ6Wide>(R, xq + i * K, dx + bi, sx + bi * sums, K, wd, y, nullptr);
+          } else if (pair) {
+            tile_pair<Q>(R, xq + i * K, dx + bi, sx + bi * sums, K, wq + g * gstride, gstride, y, pf);
           } else {
-            tile<Q>(R, xq + i * K, dx + bi, sx + bi, K, wq + g * gstride, y, pf);
-            store_group(w, out, ldo, i, R, g, y);
+            tile<Q>(R, xq + i * K, dx + bi, sx + bi * sums, K, wq + g * gstride, y, pf);
           }
+          store_group(w, out, ldo, i, R, g, y);
+          if (pair) store_group(w, out, ldo, i, R, g + 1, y + R);
         }
         g += pair ? 2 : 1;
       }
@@ -152,6 +168,7 @@ void with_quant(int quant, const F& f) {
     case TM_QI5 | TM_QSYM: return f(std::integral_constant<int, TM_QI5 | TM_QSYM>());
     case TM_QI4 | TM_QSUPER: return f(std::integral_constant<int, TM_QI4 | TM_QSUPER>());
     case TM_QI5 | TM_QSUPER: return f(std::integral_constant<int, TM_QI5 | TM_QSUPER>());
+    case TM_QI6 | TM_QSUPER: return f(std::integral_constant<int, TM_QI6 | TM_QSUPER>());
     default: return f(std::integral_constant<int, TM_QI8 | TM_QSYM>());
   }
 }
@@ -178,7 +195,7 @@ void int8_rows(int dtype, const void* x, int64_t m, const tm_linear* w, int out_
                void* out) {
   const int64_t K = w->k, blocks = m * (K / kBlock);
   thread_local std::vector<int8_t> xq[2];  // [tiled]
-  thread_local std::vector<float> dx[2], sx[2];
+  thread_local std::vector<float> dx[2], sx[2], sh[2];  // sh: per half block
   bool ready[2] = {false, false};
   // row by row, or `tiled` for the AMX tiles: whole 16-row tiles, rows past m zero
   auto quantize = [&](bool tiled) {
@@ -186,15 +203,17 @@ void int8_rows(int dtype, const void* x, int64_t m, const tm_linear* w, int out_
     std::vector<int8_t>& q = xq[tiled];
     q.resize(rows * K);
     dx[tiled].resize(rows * (K / kBlock)), sx[tiled].resize(rows * (K / kBlock));
+    sh[tiled].resize(2 * rows * (K / kBlock));
     if (tiled) std::fill(q.begin() + m / 16 * 16 * K, q.end(), int8_t{0});
     std::fill(dx[tiled].begin() + blocks, dx[tiled].end(), 0.f);
     std::fill(sx[tiled].begin() + blocks, sx[tiled].end(), 0.f);
+    std::fill(sh[tiled].begin() + 2 * blocks, sh[tiled].end(), 0.f);
     if (dtype == TM_F32)
       quantize_rows(static_cast<const float*>(x), m, K, q.data(), dx[tiled].data(),
-                    sx[tiled].data(), tiled);
+                    sx[tiled].data(), sh[tiled].data(), tiled);
     else
       quantize_rows(static_cast<const bf16*>(x), m, K, q.data(), dx[tiled].data(),
-                    sx[tiled].data(), tiled);
+                    sx[tiled].data(), sh[tiled].data(), tiled);
     ready[tiled] = true;
   };
   for_each_run(w, [&](const tm_linear& run, int64_t row) {
@@ -205,9 +224,12 @@ void int8_rows(int dtype, const void* x, int64_t m, const tm_linear* w, int out_
 #endif
     if (!ready[tiled]) quantize(tiled);
     const int8_t* q = xq[tiled].data();
-    const float *d = dx[tiled].data(), *s = sx[tiled].data();
+    const float* d = dx[tiled].data();
     auto go = [&](auto* o) {
-      with_quant(run.quant, [&](auto Q) { qgemm<Q()>(q, d, s, m, &run, o + row, w->n); });
+      with_quant(run.quant, [&](auto Q) {
+        const float* s = (qhalves(Q()) ? sh : sx)[tiled].data();
+        qgemm<Q()>(q, d, s, m, &run, o + row, w->n);
+      });
     };
     if (out_dtype == TM_F32) go(static_cast<float*>(out));
     else go(static_cast<bf16*>(out));

@@ -34,7 +34,8 @@ constexpr int64_t kRightBytes = 8 * 64;    // one block's right tile
 constexpr int64_t kTileCodes = 16 * kBlock;  // one block's left tile (quantize_rows, tiled)
 
 inline bool amx_quant_runs(int64_t m, bool row_invariant, int quant) {
-  return !row_invariant && m >= (qbits(quant) == 8 ? kAmxQuantRows8 : kAmxQuantRows);
+  return !row_invariant && !qhalves(quant) &&  // 6 bits: a scale per half block, not here
+         m >= (qbits(quant) == 8 ? kAmxQuantRows8 : kAmxQuantRows);
 }
 
 // Group `grp`'s blocks as right tiles, kRightBytes apart, into `out` (4 and 5 bits).

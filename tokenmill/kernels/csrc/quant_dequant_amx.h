@@ -28,7 +28,9 @@ inline bool dequant_runs(int dtype, const tm_linear* w) {
 // The group of 16 outputs at grp (K / 32 blocks) as bf16 columns [col0, col0 + 16) of a panel:
 // weight (k, col) at panel[k / 2 * 2 kPanel + 2 col + k % 2]. One lane per output: a chunk's
 // 64 bytes are 16 lanes of 4 codes (byte 4 o + t); 5 bits: the fifth bits of chunk j's low (high)
-// nibbles are bits 4 o + t of the 64-bit word 2 j (2 j + 1) after the chunks.
+// nibbles are bits 4 o + t of the 64-bit word 2 j (2 j + 1) after the chunks; 6 bits: bits 4-5
+// of chunk j's low (high) nibbles are bits 8 t + 2 j, 8 t + 2 j + 1 of lane o of the 64 bytes
+// (the next 64) after the chunks. The high nibbles (k >= 16) take d, m of their half.
 template <int Q>
 void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
   static_assert(kLanes == kGroup, "one lane per output of a group");
@@ -40,8 +42,10 @@ void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
   const __m512i shift4 = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const uint8_t* blk = grp + b * group_bytes(Q);
-    vec d, mn;
-    vscales<Q>(grp, K / kBlock, b, 0, d, mn);
+    vec d[2], mn[2];
+    vscales<Q>(grp, K / kBlock, b, 0, d[0], mn[0]);
+    if constexpr (qhalves(Q)) vscales<Q>(grp, K / kBlock, b, 0, d[1], mn[1], 1);
+    else d[1] = d[0], mn[1] = mn[0];
     for (int64_t j = 0; j < (BITS == 8 ? 8 : 4); ++j) {
       const __m512i c = _mm512_loadu_si512(blk + C + 64 * j);
       __m512i fifth[2] = {};
@@ -57,7 +61,12 @@ void dequant_group(const uint8_t* grp, int64_t K, bf16* panel, int64_t col0) {
           const __m512i bit = _mm512_and_si512(_mm512_srli_epi32(fifth[hi], t), one);
           code = _mm512_or_si512(code, _mm512_slli_epi32(bit, 4));
         }
-        return vfma(_mm512_cvtepi32_ps(code), d, mn);
+        if (BITS == 6) {  // bits 8 t + 2 j, + 1 of the lane to bits 4-5
+          const __m512i pairs = _mm512_loadu_si512(blk + C + 256 + 64 * hi);
+          const __m512i two = _mm512_srlv_epi32(pairs, _mm512_set1_epi32(static_cast<int>(8 * t + 2 * j)));
+          code = _mm512_or_si512(code, _mm512_slli_epi32(_mm512_and_si512(two, _mm512_set1_epi32(3)), 4));
+        }
+        return vfma(_mm512_cvtepi32_ps(code), d[hi], mn[hi]);
       };
       auto put = [&](int64_t k, int t, int hi) {  // k = 4 j + t (+ 16 high) and k + 1
         bf16* dst = panel + (b * kBlock + k) / 2 * 2 * kPanel + 2 * col0;

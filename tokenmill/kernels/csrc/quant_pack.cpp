@@ -24,7 +24,8 @@ void qpack_rows(int quant, const uint8_t* codes, int64_t n, int64_t k, uint8_t* 
         const int64_t row = g * kGroup + o;
         if constexpr (!std::is_same_v<Super, std::nullptr_t>)
           for (int64_t s = 0; s < blocks / kSuper; ++s)
-            super(reinterpret_cast<uint16_t*>(grp + blocks * gbytes + 64 * s), o, row, s);
+            super(reinterpret_cast<uint16_t*>(grp + blocks * gbytes + super_bytes(quant) * s), o,
+                  row, s);
         for (int64_t b = 0; b < blocks; ++b) {
           uint8_t* blk = grp + b * gbytes;
           scale(blk, o, row * blocks + b);
@@ -36,6 +37,11 @@ void qpack_rows(int quant, const uint8_t* codes, int64_t n, int64_t k, uint8_t* 
           }
           for (int64_t j = 0; j < 16; ++j)  // low nibble code j, high nibble code 16 + j
             q[64 * (j / 4) + j % 4] = static_cast<uint8_t>((c[j] & 0xF) | (c[16 + j] & 0xF) << 4);
+          if (bits == 6) {  // bits 4-5 of code kk: byte 4 o + t of 64 at 256 (+ 64: high), bits 2 j
+            for (int64_t kk = 0; kk < kBlock; ++kk)
+              q[256 + 64 * (kk / 16) + kk % 4] |= static_cast<uint8_t>((c[kk] >> 4 & 3) << 2 * (kk % 16 / 4));
+            continue;
+          }
           if (bits != 5) continue;
           // fifth bits: word 2 j + h (h: low/high nibble), bits 4 o .. 4 o + 3 = codes t of chunk j
           for (int64_t w = 0; w < 8; ++w) {
@@ -70,10 +76,12 @@ void tm_qpack(int quant, const uint8_t* codes, const uint16_t* d, const uint16_t
 void tm_qpack_super(int quant, const uint8_t* codes, const uint8_t* sc, const uint8_t* mn,
                     const uint16_t* D, const uint16_t* M, int64_t n, int64_t k, uint8_t* out) {
   const int64_t supers = k / (tm::kSuper * tm::kBlock);
+  const bool halves = tm::qhalves(quant);  // sc per 16 k, D alone
   tm::qpack_rows(quant, codes, n, k, out, [&](uint8_t* blk, int64_t o, int64_t i) {
-    blk[o] = sc[i], blk[tm::kGroup + o] = mn[i];
+    blk[o] = halves ? sc[2 * i] : sc[i], blk[tm::kGroup + o] = halves ? sc[2 * i + 1] : mn[i];
   }, [&](uint16_t* hdr, int64_t o, int64_t row, int64_t s) {
-    hdr[o] = D[row * supers + s], hdr[tm::kGroup + o] = M[row * supers + s];
+    hdr[o] = D[row * supers + s];
+    if (!halves) hdr[tm::kGroup + o] = M[row * supers + s];
   });
 }
 
@@ -88,11 +96,12 @@ int tm_qdequantize(int quant, const uint8_t* packed, int64_t n, int64_t k, const
       const int64_t row = rows ? rows[i] : i, g = row / kGroup, o = row % kGroup;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* grp = packed + g * group_stride(quant, k);
-        float d, mn;
-        scales_at(quant, grp, blocks, b, static_cast<int>(o), d, mn);
         const uint8_t* c = grp + b * group_bytes(quant) + scale_bytes(quant);
-        for (int64_t kk = 0; kk < kBlock; ++kk)
+        float d, mn;
+        for (int64_t kk = 0; kk < kBlock; ++kk) {
+          if (kk % 16 == 0) scales_at(quant, grp, blocks, b, static_cast<int>(o), d, mn, kk / 16);
           out[i * k + b * kBlock + kk] = d * static_cast<float>(code_at(c, qbits(quant), o, kk)) + mn;
+        }
       }
     }
   });

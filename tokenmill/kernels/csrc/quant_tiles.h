@@ -14,35 +14,48 @@ constexpr int64_t kBlock = 32, kGroup = 16, kRowTile = 8, kRowChunk = 64;
 // or d, m come from integers and per-256 scales (TM_QSUPER); the bytes of scales per (group,
 // block): 16 float16 d then 16 m, the d alone, or 16 sc then 16 mn (uint8); with the codes after
 // them. A TM_QSUPER group holds its blocks, then per 8 blocks 16 D and 16 M (float16, 64 bytes).
+// 6 bits (Q6_K, qhalves): a scale per half block (16 k), 16 int8 sc for k < 16 then 16 for
+// k >= 16, d = sc D and m = -32 d per half; per 8 blocks 16 D alone (32 bytes). Its codes: the
+// 4-bit chunks, then bits 4-5 in 2 x 64 bytes (low nibbles' k, high nibbles' k): byte 4 o + t
+// holds those of code k = 4 j + t (+ 16) at bits 2 j, 2 j + 1.
 constexpr int qbits(int q) { return q & 15; }
 constexpr bool qsym(int q) { return (q & TM_QSYM) != 0; }
 constexpr bool qsuper(int q) { return (q & TM_QSUPER) != 0; }
+// (8 bits with TM_QSUPER: kQ6Wide below, 6-bit codes widened)
+constexpr bool qhalves(int q) { return qbits(q) == 6 || (qbits(q) == 8 && qsuper(q)); }
 constexpr int64_t scale_bytes(int q) { return qsym(q) || qsuper(q) ? 32 : 64; }
-constexpr int64_t group_bytes(int q) {
-  return scale_bytes(q) + (qbits(q) == 4 ? 256 : qbits(q) == 5 ? 320 : 512);
-}
+constexpr int64_t code_bytes(int q) { return qbits(q) == 8 ? 512 : 256 + 64 * (qbits(q) - 4); }
+constexpr int64_t group_bytes(int q) { return scale_bytes(q) + code_bytes(q); }
 constexpr int64_t kSuper = 8;  // blocks per TM_QSUPER scale pair (256 k)
+constexpr int64_t super_bytes(int q) { return qhalves(q) ? 32 : 64; }
 constexpr int64_t group_stride(int q, int64_t K) {
-  return K / kBlock * group_bytes(q) + (qsuper(q) ? K / (kSuper * kBlock) * 64 : 0);
+  return K / kBlock * group_bytes(q) + (qsuper(q) ? K / (kSuper * kBlock) * super_bytes(q) : 0);
 }
+// the activation sums a tile reads per input row and block (sx: one, or one per half)
+constexpr int64_t sums_per_block(int q) { return qhalves(q) ? 2 : 1; }
 // a TM_QSUPER group's D (16 float16) for block b, M after them
 inline const uint16_t* super_scales(int q, const uint8_t* grp, int64_t blocks, int64_t b) {
-  return reinterpret_cast<const uint16_t*>(grp + blocks * group_bytes(q) + b / kSuper * 64);
+  return reinterpret_cast<const uint16_t*>(grp + blocks * group_bytes(q) + b / kSuper * super_bytes(q));
 }
-constexpr float sym_offset(int q) { return -static_cast<float>(1 << (qbits(q) - 1)); }
+constexpr float sym_offset(int q) { return qhalves(q) ? -32.f : -static_cast<float>(1 << (qbits(q) - 1)); }
 
-// d and m of output o in block b of the group at grp (K / 32 blocks), in float32
+// d and m of output o in block b (its half h: k >= 16) of the group at grp (K / 32 blocks), in
+// float32
 inline void scales_at(int q, const uint8_t* grp, int64_t blocks, int64_t b, int o, float& d,
-                      float& m) {
+                      float& m, int h = 0) {
   const uint8_t* blk = grp + b * group_bytes(q);
-  const auto* h = reinterpret_cast<const uint16_t*>(blk);
-  if (qsuper(q)) {
+  const auto* h16 = reinterpret_cast<const uint16_t*>(blk);
+  if (qhalves(q)) {
+    const auto sc = static_cast<int8_t>(blk[kGroup * h + o]);
+    d = static_cast<float>(sc) * half_to_f(super_scales(q, grp, blocks, b)[o]);
+    m = d * sym_offset(q);
+  } else if (qsuper(q)) {
     const uint16_t* s = super_scales(q, grp, blocks, b);
     d = static_cast<float>(blk[o]) * half_to_f(s[o]);
     m = -(static_cast<float>(blk[kGroup + o]) * half_to_f(s[kGroup + o]));
   } else {
-    d = half_to_f(h[o]);
-    m = qsym(q) ? d * sym_offset(q) : half_to_f(h[kGroup + o]);
+    d = half_to_f(h16[o]);
+    m = qsym(q) ? d * sym_offset(q) : half_to_f(h16[kGroup + o]);
   }
 }
 
@@ -50,9 +63,14 @@ inline void scales_at(int q, const uint8_t* grp, int64_t blocks, int64_t b, int 
 // scales_at for outputs lane0 .. lane0 + kLanes as vectors (the AMX paths; the register tiles
 // below keep a TM_QSUPER group's D, M across its 8 blocks instead)
 template <int Q>
-inline void vscales(const uint8_t* grp, int64_t blocks, int64_t b, int lane0, vec& d, vec& m) {
+inline void vscales(const uint8_t* grp, int64_t blocks, int64_t b, int lane0, vec& d, vec& m,
+                    int h = 0) {
   const uint8_t* blk = grp + b * group_bytes(Q);
-  if constexpr (qsuper(Q)) {
+  if constexpr (qhalves(Q)) {
+    const auto* ints = reinterpret_cast<const int8_t*>(blk) + kGroup * h + lane0;
+    d = vmul(vload_i8(ints), vload_f16(super_scales(Q, grp, blocks, b) + lane0));
+    m = vmul(d, vset1(sym_offset(Q)));
+  } else if constexpr (qsuper(Q)) {
     const uint16_t* s = super_scales(Q, grp, blocks, b) + lane0;
     const auto* ints = reinterpret_cast<const int8_t*>(blk) + lane0;  // sc, mn < 64
     d = vmul(vload_i8(ints), vload_f16(s));
@@ -75,6 +93,8 @@ inline int code_at(const uint8_t* codes, int bits, int64_t o, int64_t k) {
     std::memcpy(&word, codes + 256 + 8 * (2 * (kk / 4) + (k >= 16)), 8);
     c |= static_cast<int>((word >> p) & 1) << 4;
   }
+  if (bits == 6)  // bits 4-5: bits 2 j, 2 j + 1 of byte p of the 64 at 256 (low) / 320 (high)
+    c |= (codes[256 + 64 * (k >= 16) + p] >> (2 * (kk / 4)) & 3) << 4;
   return c;
 }
 
@@ -96,30 +116,81 @@ void tile_portable(int R, const int8_t* xq, const float* dx, const float* sx, in
   const int64_t blocks = K / kBlock;
   for (int r = 0; r < R; ++r)
     for (int o = 0; o < kGroup; ++o) y[r][o] = 0.f;
+  constexpr int H = sums_per_block(Q), span = kBlock / H;  // scales per block, k under each
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* blk = w + b * group_bytes(Q);
     for (int r = 0; r < R; ++r) {
       const int8_t* xb = xq + r * K + b * kBlock;
-      for (int o = 0; o < kGroup; ++o) {
-        int32_t s = 0;
-        for (int k = 0; k < kBlock; ++k) s += code_at(blk + scale_bytes(Q), qbits(Q), o, k) * xb[k];
-        float d, m;
-        scales_at(Q, w, blocks, b, o, d, m);
-        y[r][o] += d * dx[r * blocks + b] * static_cast<float>(s) + m * sx[r * blocks + b];
-      }
+      for (int o = 0; o < kGroup; ++o)
+        for (int h = 0; h < H; ++h) {
+          int32_t s = 0;
+          for (int k = h * span; k < (h + 1) * span; ++k)
+            s += code_at(blk + scale_bytes(Q), qbits(Q), o, k) * xb[k];
+          float d, m;
+          scales_at(Q, w, blocks, b, o, d, m, h);
+          y[r][o] += d * dx[r * blocks + b] * static_cast<float>(s) + m * sx[(r * blocks + b) * H + h];
+        }
     }
   }
 }
 
 #if defined(__AVX512VNNI__)
+// Chunk j's 16 low-nibble (k = 4 j + t) and high-nibble (k = 16 + 4 j + t) codes of the 4- to
+// 6-bit codes at `codes`, one byte each: 16 added where the fifth bit is set; 6 bits: bits
+// 2 j, 2 j + 1 of the pair bytes moved to bits 4-5 (one shift and one VPTERNLOG each)
+template <int BITS>
+inline void unpack_chunk(const uint8_t* codes, int j, __m512i& lo, __m512i& hi) {
+  const __m512i nib = _mm512_set1_epi8(0x0F), v = _mm512_loadu_si512(codes + 64 * j);
+  lo = _mm512_and_si512(v, nib), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  if constexpr (BITS == 5) {
+    const __m512i add = _mm512_set1_epi8(16);
+    __mmask64 planes[2];
+    std::memcpy(planes, codes + 256 + 16 * j, 16);
+    lo = _mm512_mask_add_epi8(lo, planes[0], lo, add);
+    hi = _mm512_mask_add_epi8(hi, planes[1], hi, add);
+  } else if constexpr (BITS == 6) {
+    const __m512i top = _mm512_set1_epi8(0x30);
+    auto at4 = [&](__m512i p) {  // bits 2 j, 2 j + 1 of each byte to bits 4-5 (others masked)
+      return j == 3 ? _mm512_srli_epi16(p, 2) : j == 2 ? p : _mm512_slli_epi16(p, 4 - 2 * j);
+    };
+    // a | (b & c): 0xF0 | (0xCC & 0xAA)
+    lo = _mm512_ternarylogic_epi32(lo, at4(_mm512_loadu_si512(codes + 256)), top, 0xF8);
+    hi = _mm512_ternarylogic_epi32(hi, at4(_mm512_loadu_si512(codes + 320)), top, 0xF8);
+  }
+}
+
+// Calls of many rows widen a 6-bit group once (widen_q6) instead of unpacking its codes in
+// every row tile: the codes one byte each (w = d (c - 32) as before, the same integer sums and
+// float steps: the same bits), which the 8-bit loop multiplies, 4 k per VPDPBUSD
+constexpr int kQ6Wide = TM_QI8 | TM_QSUPER;
+constexpr int64_t kWidenRows = 16;  // from this many rows of a row chunk
+inline void widen_q6(const uint8_t* grp, int64_t K, uint8_t* out) {
+  constexpr int Q = TM_QI6 | TM_QSUPER;
+  const int64_t blocks = K / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* src = grp + b * group_bytes(Q);
+    uint8_t* dst = out + b * group_bytes(kQ6Wide);
+    std::memcpy(dst, src, scale_bytes(Q));
+    for (int j = 0; j < 4; ++j) {
+      __m512i lo, hi;
+      unpack_chunk<6>(src + scale_bytes(Q), j, lo, hi);
+      _mm512_storeu_si512(dst + scale_bytes(Q) + 64 * j, lo);
+      _mm512_storeu_si512(dst + scale_bytes(Q) + 64 * (4 + j), hi);
+    }
+  }
+  std::memcpy(out + blocks * group_bytes(kQ6Wide), grp + blocks * group_bytes(Q),
+              blocks / kSuper * super_bytes(Q));
+}
+constexpr bool kWidenQ6 = true;
+
 // y[g * R + r][0..16) for G consecutive groups (gstride bytes apart) and input rows r < R:
 // each row's 4-byte broadcast of x serves the G groups' codes
 template <int R, int G, int Q>
 void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
                int64_t gstride, float (*y)[kGroup], const uint8_t* pf) {
   constexpr int BITS = qbits(Q);
+  constexpr bool HALVES = qhalves(Q);  // the high nibbles' sums apart (s2), with their own d
   const int64_t blocks = K / kBlock;
-  const __m512i nib = _mm512_set1_epi8(0x0F);
   __m512 acc[G][R];
   for (int g = 0; g < G; ++g)
     for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
@@ -130,7 +201,8 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
     for (int g = 0; g < G; ++g) {
       blk[g] = w + g * gstride + b * group_bytes(Q);
       prefetch_block<Q>(pf ? pf + g * gstride + b * group_bytes(Q) : nullptr);
-      if constexpr (qsuper(Q)) {  // 16 sc, 16 mn times the 8 blocks' D, M
+      if constexpr (HALVES) {  // after the sums (the registers hold twice the sums)
+      } else if constexpr (qsuper(Q)) {  // 16 sc, 16 mn times the 8 blocks' D, M
         if (b % kSuper == 0) {
           const auto* s = reinterpret_cast<const __m256i*>(super_scales(Q, w + g * gstride, blocks, b));
           sd[g] = _mm512_cvtph_ps(_mm256_loadu_si256(s));
@@ -148,9 +220,9 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
                        : _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk[g] + 32)));
       }
     }
-    __m512i s[G][R];
+    __m512i s[G][R], s2[G][R];
     for (int g = 0; g < G; ++g)
-      for (int r = 0; r < R; ++r) s[g][r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) s[g][r] = s2[g][r] = _mm512_setzero_si512();
     const int8_t* xb = xq + b * kBlock;
     auto x4 = [&](int r, int k) {  // 4 int8 of row r at k, in every lane
       int32_t v;
@@ -158,25 +230,15 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
       return _mm512_set1_epi32(v);
     };
     if constexpr (BITS != 8) {
-      const __m512i sixteen = _mm512_set1_epi8(16);
       for (int j = 0; j < 4; ++j) {
         __m512i lo[G], hi[G];
-        for (int g = 0; g < G; ++g) {
-          const uint8_t* codes = blk[g] + scale_bytes(Q);
-          __m512i v = _mm512_loadu_si512(codes + 64 * j);
-          lo[g] = _mm512_and_si512(v, nib), hi[g] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-          if constexpr (BITS == 5) {  // add 16 where the fifth bit is set
-            __mmask64 planes[2];
-            std::memcpy(planes, codes + 256 + 16 * j, 16);
-            lo[g] = _mm512_mask_add_epi8(lo[g], planes[0], lo[g], sixteen);
-            hi[g] = _mm512_mask_add_epi8(hi[g], planes[1], hi[g], sixteen);
-          }
-        }
+        for (int g = 0; g < G; ++g) unpack_chunk<BITS>(blk[g] + scale_bytes(Q), j, lo[g], hi[g]);
         for (int r = 0; r < R; ++r) {
           const __m512i xl = x4(r, 4 * j), xh = x4(r, 16 + 4 * j);
           for (int g = 0; g < G; ++g) {
             s[g][r] = _mm512_dpbusd_epi32(s[g][r], lo[g], xl);
-            s[g][r] = _mm512_dpbusd_epi32(s[g][r], hi[g], xh);
+            if constexpr (HALVES) s2[g][r] = _mm512_dpbusd_epi32(s2[g][r], hi[g], xh);
+            else s[g][r] = _mm512_dpbusd_epi32(s[g][r], hi[g], xh);
           }
         }
       }
@@ -186,16 +248,40 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
         for (int g = 0; g < G; ++g) v[g] = _mm512_loadu_si512(blk[g] + scale_bytes(Q) + 64 * j);
         for (int r = 0; r < R; ++r) {
           const __m512i x = x4(r, 4 * j);
-          for (int g = 0; g < G; ++g) s[g][r] = _mm512_dpbusd_epi32(s[g][r], v[g], x);
+          for (int g = 0; g < G; ++g) {
+            if (HALVES && j >= 4) s2[g][r] = _mm512_dpbusd_epi32(s2[g][r], v[g], x);  // k >= 16
+            else s[g][r] = _mm512_dpbusd_epi32(s[g][r], v[g], x);
+          }
         }
       }
     }
+    __m512 d2[G];  // HALVES: d = sc D of each half
+    for (int g = 0; HALVES && g < G; ++g) {
+      auto ints = [&](int at) {
+        return _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk[g] + at))));
+      };
+      const __m512 D = _mm512_cvtph_ps(_mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(super_scales(Q, w + g * gstride, blocks, b))));
+      d[g] = _mm512_mul_ps(ints(0), D), d2[g] = _mm512_mul_ps(ints(kGroup), D);
+    }
     for (int r = 0; r < R; ++r) {
-      const __m512 xd = _mm512_set1_ps(dx[r * blocks + b]), xs = _mm512_set1_ps(sx[r * blocks + b]);
-      for (int g = 0; g < G; ++g) {
-        __m512 scale = _mm512_mul_ps(d[g], xd);
-        acc[g][r] = _mm512_fmadd_ps(m[g], xs, acc[g][r]);
-        acc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[g][r]), scale, acc[g][r]);
+      const __m512 xd = _mm512_set1_ps(dx[r * blocks + b]);
+      if constexpr (HALVES) {  // per half d (cvt(s) dx - 32 sx): m = -32 d
+        const float* sh = sx + 2 * (r * blocks + b);
+        const __m512 xs = _mm512_set1_ps(sym_offset(Q) * sh[0]);
+        const __m512 xs2 = _mm512_set1_ps(sym_offset(Q) * sh[1]);
+        for (int g = 0; g < G; ++g) {
+          acc[g][r] = _mm512_fmadd_ps(d[g], _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[g][r]), xd, xs), acc[g][r]);
+          acc[g][r] = _mm512_fmadd_ps(d2[g], _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2[g][r]), xd, xs2), acc[g][r]);
+        }
+      } else {
+        const __m512 xs = _mm512_set1_ps(sx[r * blocks + b]);
+        for (int g = 0; g < G; ++g) {
+          __m512 scale = _mm512_mul_ps(d[g], xd);
+          acc[g][r] = _mm512_fmadd_ps(m[g], xs, acc[g][r]);
+          acc[g][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[g][r]), scale, acc[g][r]);
+        }
       }
     }
   }
@@ -244,6 +330,9 @@ constexpr bool kFastQuant = false;
 #endif
 
 #if !defined(__AVX512VNNI__)
+constexpr int kQ6Wide = 0, kWidenRows = 0;  // widen_q6: VNNI builds only
+inline void widen_q6(const uint8_t*, int64_t, uint8_t*) {}
+constexpr bool kWidenQ6 = false;
 // Two groups as two tiles (the pairing pays only where a broadcast feeds both: VNNI)
 constexpr int kPairRows = kRowTile;
 constexpr bool kGroupPairs = false;

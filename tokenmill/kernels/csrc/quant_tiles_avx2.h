@@ -30,6 +30,7 @@ template <int R, int H, int Q>
 void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, const uint8_t* w,
                int half, float (*y)[kGroup], const uint8_t* pf) {
   constexpr int BITS = qbits(Q);
+  constexpr bool HALVES = qhalves(Q);  // the high nibbles' sums apart (s2), with their own d
   const int64_t blocks = K / kBlock;
   const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
@@ -41,24 +42,26 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
     const uint8_t* blk = w + b * group_bytes(Q);
     prefetch_block<Q>(pf ? pf + b * group_bytes(Q) : nullptr);
     const uint8_t* codes[H];
-    __m256 d[H], m[H];
+    __m256 d[H], m[H], d2[H];
     for (int h = 0; h < H; ++h) {
       const int64_t hh = half + h;
       codes[h] = blk + scale_bytes(Q) + 32 * hh;
-      if constexpr (qsuper(Q)) {  // 8 sc, 8 mn of this half times the 8 blocks' D, M
+      if constexpr (qsuper(Q)) {  // 8 sc, 8 mn of this half (6 bits: 8 sc per k half) times D, M
         if (b % kSuper == 0) {
           const uint16_t* sup = super_scales(Q, w, blocks, b) + 8 * hh;
           auto halves = [&](const uint16_t* p) {
             return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
           };
-          sd[h] = halves(sup), sm[h] = halves(sup + kGroup);
+          sd[h] = halves(sup);
+          if constexpr (!HALVES) sm[h] = halves(sup + kGroup);
         }
         auto ints = [&](int at) {
-          return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-              _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + at + 8 * hh))));
+          const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + at + 8 * hh));
+          return _mm256_cvtepi32_ps(HALVES ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
         };
         d[h] = _mm256_mul_ps(ints(0), sd[h]);
-        m[h] = _mm256_fnmadd_ps(ints(16), sm[h], _mm256_setzero_ps());
+        if constexpr (HALVES) d2[h] = _mm256_mul_ps(ints(16), sd[h]);
+        else m[h] = _mm256_fnmadd_ps(ints(16), sm[h], _mm256_setzero_ps());
       } else {
         d[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 16 * hh)));
         m[h] = qsym(Q) ? _mm256_mul_ps(d[h], _mm256_set1_ps(sym_offset(Q)))
@@ -66,16 +69,40 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
       }
       if constexpr (BITS == 8) m[h] = _mm256_fmadd_ps(d[h], _mm256_set1_ps(128.f), m[h]);
     }
-    __m256i s[H][R];
+    __m256i s[H][R], s2[H][R];
     for (int h = 0; h < H; ++h)
-      for (int r = 0; r < R; ++r) s[h][r] = _mm256_setzero_si256();
+      for (int r = 0; r < R; ++r) s[h][r] = s2[h][r] = _mm256_setzero_si256();
     const int8_t* xb = xq + b * kBlock;
     auto x4 = [&](int r, int k) {
       int32_t v;
       std::memcpy(&v, xb + r * K + k, 4);
       return _mm256_set1_epi32(v);
     };
-    if constexpr (BITS != 8) {
+    if constexpr (HALVES) {  // 6-bit codes: each half's pairs (<= 2 * 63 * 127) widened at once
+      const __m256i top = _mm256_set1_epi8(0x30);
+      for (int j = 0; j < 4; ++j) {
+        __m256i lo[H], hi[H];
+        for (int h = 0; h < H; ++h) {
+          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[h] + 64 * j));
+          lo[h] = _mm256_and_si256(v, nib), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+          // bits 4-5: bits 2 j, 2 j + 1 of the pair bytes (this half's 32 of each 64)
+          const uint8_t* pairs = codes[h] + 256;
+          auto at4 = [&](const uint8_t* p) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+            return _mm256_and_si256(j == 3 ? _mm256_srli_epi16(v, 2) : j == 2 ? v
+                                    : _mm256_slli_epi16(v, 4 - 2 * j), top);
+          };
+          lo[h] = _mm256_or_si256(lo[h], at4(pairs)), hi[h] = _mm256_or_si256(hi[h], at4(pairs + 64));
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m256i xl = x4(r, 4 * j), xh = x4(r, 16 + 4 * j);
+          for (int h = 0; h < H; ++h) {
+            s[h][r] = _mm256_add_epi32(s[h][r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], xl), ones));
+            s2[h][r] = _mm256_add_epi32(s2[h][r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], xh), ones));
+          }
+        }
+      }
+    } else if constexpr (BITS != 8) {
       // The pair sums add up in int16 before one VPMADDWD widens them: a pair is at most
       // 2 * 15 * 127 = 3,810 (5-bit codes: 7,874), so all 8 of a block (5-bit: 4) fit in 16
       // bits; half the multiplies of widening every pair, the same integers
@@ -131,7 +158,18 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
       }
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 xd = _mm256_set1_ps(dx[r * blocks + b]), xs = _mm256_set1_ps(sx[r * blocks + b]);
+      const __m256 xd = _mm256_set1_ps(dx[r * blocks + b]);
+      if constexpr (HALVES) {  // per k half d (cvt(s) dx - 32 sx): m = -32 d
+        const float* sh = sx + 2 * (r * blocks + b);
+        const __m256 xs = _mm256_set1_ps(sym_offset(Q) * sh[0]);
+        const __m256 xs2 = _mm256_set1_ps(sym_offset(Q) * sh[1]);
+        for (int h = 0; h < H; ++h) {
+          acc[h][r] = _mm256_fmadd_ps(d[h], _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][r]), xd, xs), acc[h][r]);
+          acc[h][r] = _mm256_fmadd_ps(d2[h], _mm256_fmadd_ps(_mm256_cvtepi32_ps(s2[h][r]), xd, xs2), acc[h][r]);
+        }
+        continue;
+      }
+      const __m256 xs = _mm256_set1_ps(sx[r * blocks + b]);
       for (int h = 0; h < H; ++h) {
         __m256 scale = _mm256_mul_ps(d[h], xd);
         acc[h][r] = _mm256_fmadd_ps(m[h], xs, acc[h][r]);
@@ -149,7 +187,7 @@ void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
   const int64_t blocks = K / kBlock;
   for (int r0 = 0; r0 < R; r0 += 4) {
     const int8_t* x = xq + r0 * K;
-    const float *d = dx + r0 * blocks, *s = sx + r0 * blocks;
+    const float *d = dx + r0 * blocks, *s = sx + r0 * blocks * sums_per_block(Q);
     const uint8_t* p = r0 == 0 ? pf : nullptr;  // the first pass prefetches
     switch (std::min(4, R - r0)) {
       case 1: tile_avx2<1, 2, Q>(x, d, s, K, w, 0, y + r0, p); break;

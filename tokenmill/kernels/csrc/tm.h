@@ -19,9 +19,11 @@ enum { TM_F32 = 0, TM_BF16 = 1 };
 /* Block-quantized weights (quant.cpp): w = d * code + m per 32 k, codes of 4, 5 or 8 bits; with
  * TM_QSYM added, m = -2^(bits - 1) d (GGUF's Q4_0, Q5_0, Q8_0) and only d is stored; with
  * TM_QSUPER (4 and 5 bits, k a multiple of 256: GGUF's Q4_K, Q5_K), d = sc D and m = -mn M
- * from 6-bit integers sc, mn per 32 k and float16 D, M per 256 k */
-enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI8 = 8, TM_QSYM = 16, TM_QSUPER = 32 };
-#define TM_ABI_VERSION 22
+ * from 6-bit integers sc, mn per 32 k and float16 D, M per 256 k. TM_QI6 | TM_QSUPER (GGUF's
+ * Q6_K, k a multiple of 256): w = sc D (code - 32), 6-bit codes, an int8 sc per 16 k and a
+ * float16 D per 256 k */
+enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI6 = 6, TM_QI8 = 8, TM_QSYM = 16, TM_QSUPER = 32 };
+#define TM_ABI_VERSION 23
 #define TM_MAX_RUNS 4
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
@@ -132,7 +134,8 @@ TM_API int64_t tm_qpacked_bytes(int quant, int64_t n, int64_t k);
 TM_API void tm_qpack(int quant, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
                      int64_t n, int64_t k, uint8_t* out);
 /* TM_QSUPER weights (quant 4 or 5 plus TM_QSUPER): codes as tm_qpack's, sc and mn (n, k / 32)
- * uint8 below 64, D and M (n, k / 256) float16 */
+ * uint8 below 64, D and M (n, k / 256) float16. TM_QI6 | TM_QSUPER: codes below 64, sc
+ * (n, k / 16) int8, D (n, k / 256) float16; mn and M not read (may be NULL) */
 TM_API void tm_qpack_super(int quant, const uint8_t* codes, const uint8_t* sc, const uint8_t* mn,
                            const uint16_t* D, const uint16_t* M, int64_t n, int64_t k,
                            uint8_t* out);
