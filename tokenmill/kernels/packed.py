@@ -2,8 +2,9 @@
 block-quantized one repacked (csrc/quant_pack.cpp) with its scales as compact as its format
 allows: float16 d and m per 32 weights, d alone where m = -2^(bits-1) d (QSYM), or the GGUF K
 formats' integers per 32 and float16 pair per 256 (QSUPER), Q6_K's 6-bit codes with an int8
-scale per 16 and float16 D per 256 (6 | QSUPER); fused parts in runs of their own form. QuantCalls packs and unpacks them: a mixin of KernelLib (its `_lib` and `_sync_threads`),
-with the same checks before any pointer reaches C."""
+scale per 16 and float16 D per 256 (6 | QSUPER); fused parts in runs of their own form.
+QuantCalls packs and unpacks them: a mixin of KernelLib (its `_lib` and `_sync_threads`), with
+the same checks before any pointer reaches C."""
 
 from __future__ import annotations
 
@@ -63,10 +64,10 @@ class QuantCalls:
         """Parts stacked along the output rows (fused q|k|v, gate|up), each (codes, d, m) as
         for qpack, or (codes, d, m, ks) with a K format's integer scales (BlockQuant.ks), or
         (codes, d, m, ks, q6) with Q6_K's exact form (BlockQuant.q6, packed instead of the
-        8-bit codes), packed where they land with no stacked copy: every part but the last must end on a
-        group of 16 rows (the packed form is group after group). `bits`: one width for every
-        part, or each part's own (adjacent parts of one form make one run of rows,
-        tm_linear.runs)."""
+        8-bit codes), packed where they land with no stacked copy: every part but the last
+        must end on a group of 16 rows (the packed form is group after group). `bits`: one
+        width for every part, or each part's own (adjacent parts of one form make one run of
+        rows, tm_linear.runs)."""
         k = parts[0][0].shape[1]
         widths = list(bits) if isinstance(bits, (list, tuple)) else [bits] * len(parts)
         kss = [p[3] if len(p) > 3 else None for p in parts]
