@@ -21,8 +21,11 @@ constexpr int64_t kBlock = 32, kGroup = 16, kRowTile = 8, kRowChunk = 64;
 constexpr int qbits(int q) { return q & 15; }
 constexpr bool qsym(int q) { return (q & TM_QSYM) != 0; }
 constexpr bool qsuper(int q) { return (q & TM_QSUPER) != 0; }
-// (8 bits with TM_QSUPER: kQ6Wide below, 6-bit codes widened)
-constexpr bool qhalves(int q) { return qbits(q) == 6 || (qbits(q) == 8 && qsuper(q)); }
+// kQ6Wide (8 bits with TM_QSUPER: no weight packs to it): 6-bit groups widened to a byte a
+// code for calls of many rows (widen_q6), the scales as they were
+constexpr int kQ6Wide = TM_QI8 | TM_QSUPER;
+constexpr int64_t kWidenRows = 32;  // from this many rows of a row chunk (measured: 16 rows ran 0.8x)
+constexpr bool qhalves(int q) { return qbits(q) == 6 || q == kQ6Wide; }
 constexpr int64_t scale_bytes(int q) { return qsym(q) || qsuper(q) ? 32 : 64; }
 constexpr int64_t code_bytes(int q) { return qbits(q) == 8 ? 512 : 256 + 64 * (qbits(q) - 4); }
 constexpr int64_t group_bytes(int q) { return scale_bytes(q) + code_bytes(q); }
@@ -162,8 +165,6 @@ inline void unpack_chunk(const uint8_t* codes, int j, __m512i& lo, __m512i& hi) 
 // Calls of many rows widen a 6-bit group once (widen_q6) instead of unpacking its codes in
 // every row tile: the codes one byte each (w = d (c - 32) as before, the same integer sums and
 // float steps: the same bits), which the 8-bit loop multiplies, 4 k per VPDPBUSD
-constexpr int kQ6Wide = TM_QI8 | TM_QSUPER;
-constexpr int64_t kWidenRows = 16;  // from this many rows of a row chunk
 inline void widen_q6(const uint8_t* grp, int64_t K, uint8_t* out) {
   constexpr int Q = TM_QI6 | TM_QSUPER;
   const int64_t blocks = K / kBlock;
@@ -327,12 +328,11 @@ void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
   tile_portable<Q>(R, xq, dx, sx, K, w, y);
 }
 constexpr bool kFastQuant = false;
+inline void widen_q6(const uint8_t*, int64_t, uint8_t*) {}  // the vector builds only
+constexpr bool kWidenQ6 = false;
 #endif
 
 #if !defined(__AVX512VNNI__)
-constexpr int kQ6Wide = 0, kWidenRows = 0;  // widen_q6: VNNI builds only
-inline void widen_q6(const uint8_t*, int64_t, uint8_t*) {}
-constexpr bool kWidenQ6 = false;
 // Two groups as two tiles (the pairing pays only where a broadcast feeds both: VNNI)
 constexpr int kPairRows = kRowTile;
 constexpr bool kGroupPairs = false;

@@ -67,7 +67,7 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
         m[h] = qsym(Q) ? _mm256_mul_ps(d[h], _mm256_set1_ps(sym_offset(Q)))
                        : _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 32 + 16 * hh)));
       }
-      if constexpr (BITS == 8) m[h] = _mm256_fmadd_ps(d[h], _mm256_set1_ps(128.f), m[h]);
+      if constexpr (BITS == 8 && !HALVES) m[h] = _mm256_fmadd_ps(d[h], _mm256_set1_ps(128.f), m[h]);
     }
     __m256i s[H][R], s2[H][R];
     for (int h = 0; h < H; ++h)
@@ -78,7 +78,24 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
       std::memcpy(&v, xb + r * K + k, 4);
       return _mm256_set1_epi32(v);
     };
-    if constexpr (HALVES) {  // 6-bit codes: each half's pairs (<= 2 * 63 * 127) widened at once
+    if constexpr (HALVES && BITS == 8) {  // widened 6-bit codes (widen_q6): below 64, unsigned,
+      // so VPMADDUBSW takes them as they are; two chunks' pairs (<= 2 * 2 * 63 * 127) add in int16
+      for (int j = 0; j < 8; j += 2) {
+        __m256i v[H][2];
+        for (int h = 0; h < H; ++h)
+          for (int c = 0; c < 2; ++c)
+            v[h][c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[h] + 64 * (j + c)));
+        for (int r = 0; r < R; ++r) {
+          const __m256i x0 = x4(r, 4 * j), x1 = x4(r, 4 * j + 4);
+          for (int h = 0; h < H; ++h) {
+            const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(v[h][0], x0),
+                                               _mm256_maddubs_epi16(v[h][1], x1));
+            __m256i& t = j < 4 ? s[h][r] : s2[h][r];  // k < 16, k >= 16
+            t = _mm256_add_epi32(t, _mm256_madd_epi16(p, ones));
+          }
+        }
+      }
+    } else if constexpr (HALVES) {  // 6-bit codes: each half's pairs (<= 2 * 63 * 127) widened at once
       const __m256i top = _mm256_set1_epi8(0x30);
       for (int j = 0; j < 4; ++j) {
         __m256i lo[H], hi[H];
@@ -203,3 +220,35 @@ void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
   }
 }
 constexpr bool kFastQuant = true;
+
+// A 6-bit group widened to a byte a code (quant_tiles.h kQ6Wide), the scales copied: calls of
+// many rows unpack its codes once instead of in every row tile
+inline void widen_q6(const uint8_t* grp, int64_t K, uint8_t* out) {
+  constexpr int Q = TM_QI6 | TM_QSUPER;
+  const int64_t blocks = K / kBlock;
+  const __m256i nib = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* src = grp + b * group_bytes(Q);
+    uint8_t* dst = out + b * group_bytes(kQ6Wide) + scale_bytes(Q);
+    std::memcpy(dst - scale_bytes(Q), src, scale_bytes(Q));
+    const uint8_t* codes = src + scale_bytes(Q);
+    for (int half = 0; half < 2; ++half)  // 32 of each chunk's 64 bytes at a time
+      for (int j = 0; j < 4; ++j) {
+        auto load = [&](int at) {
+          return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + at + 32 * half));
+        };
+        auto at4 = [&](__m256i p) {  // bits 2 j, 2 j + 1 to bits 4-5
+          return _mm256_and_si256(j == 3 ? _mm256_srli_epi16(p, 2) : j == 2 ? p
+                                  : _mm256_slli_epi16(p, 4 - 2 * j), top);
+        };
+        const __m256i v = load(64 * j);
+        const __m256i lo = _mm256_or_si256(_mm256_and_si256(v, nib), at4(load(256)));
+        const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), nib), at4(load(320)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * j + 32 * half), lo);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 64 * (4 + j) + 32 * half), hi);
+      }
+  }
+  std::memcpy(out + blocks * group_bytes(kQ6Wide), grp + blocks * group_bytes(Q),
+              blocks / kSuper * super_bytes(Q));
+}
+constexpr bool kWidenQ6 = true;
