@@ -95,30 +95,46 @@ void tile_avx2(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
           }
         }
       }
-    } else if constexpr (HALVES) {  // 6-bit codes: each half's pairs (<= 2 * 63 * 127) widened at once
+    } else if constexpr (HALVES) {
+      // 6-bit codes: the low nibbles' k (k < 16), scaled into acc, then the high ones' in the
+      // same registers (16 ymm do not hold both halves' sums); per half two chunks' pairs
+      // (<= 2 * 2 * 63 * 127) add in int16 before VPMADDWD widens them
       const __m256i top = _mm256_set1_epi8(0x30);
-      for (int j = 0; j < 4; ++j) {
-        __m256i lo[H], hi[H];
-        for (int h = 0; h < H; ++h) {
-          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[h] + 64 * j));
-          lo[h] = _mm256_and_si256(v, nib), hi[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-          // bits 4-5: bits 2 j, 2 j + 1 of the pair bytes (this half's 32 of each 64)
-          const uint8_t* pairs = codes[h] + 256;
-          auto at4 = [&](const uint8_t* p) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-            return _mm256_and_si256(j == 3 ? _mm256_srli_epi16(v, 2) : j == 2 ? v
-                                    : _mm256_slli_epi16(v, 4 - 2 * j), top);
-          };
-          lo[h] = _mm256_or_si256(lo[h], at4(pairs)), hi[h] = _mm256_or_si256(hi[h], at4(pairs + 64));
+      for (int kh = 0; kh < 2; ++kh) {
+        for (int j = 0; j < 4; j += 2) {
+          __m256i p[H][R];
+          for (int jj = j; jj < j + 2; ++jj) {
+            __m256i c[H];
+            for (int h = 0; h < H; ++h) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[h] + 64 * jj));
+              // bits 4-5: bits 2 jj, 2 jj + 1 of the pair bytes (this half's 32 of each 64)
+              const __m256i pr = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes[h] + 256 + 64 * kh));
+              const __m256i at4 = _mm256_and_si256(
+                  jj == 3 ? _mm256_srli_epi16(pr, 2) : jj == 2 ? pr : _mm256_slli_epi16(pr, 4 - 2 * jj), top);
+              c[h] = _mm256_or_si256(_mm256_and_si256(kh ? _mm256_srli_epi16(v, 4) : v, nib), at4);
+            }
+            for (int r = 0; r < R; ++r) {
+              const __m256i x = x4(r, 16 * kh + 4 * jj);
+              for (int h = 0; h < H; ++h) {
+                const __m256i m2 = _mm256_maddubs_epi16(c[h], x);
+                p[h][r] = jj == j ? m2 : _mm256_add_epi16(p[h][r], m2);
+              }
+            }
+          }
+          for (int h = 0; h < H; ++h)
+            for (int r = 0; r < R; ++r) s[h][r] = _mm256_add_epi32(s[h][r], _mm256_madd_epi16(p[h][r], ones));
         }
-        for (int r = 0; r < R; ++r) {
-          const __m256i xl = x4(r, 4 * j), xh = x4(r, 16 + 4 * j);
+        for (int r = 0; r < R; ++r) {  // acc += d (cvt(s) dx - 32 sx) of this half
+          const __m256 xd = _mm256_set1_ps(dx[r * blocks + b]);
+          const __m256 xs = _mm256_set1_ps(sym_offset(Q) * sx[2 * (r * blocks + b) + kh]);
           for (int h = 0; h < H; ++h) {
-            s[h][r] = _mm256_add_epi32(s[h][r], _mm256_madd_epi16(_mm256_maddubs_epi16(lo[h], xl), ones));
-            s2[h][r] = _mm256_add_epi32(s2[h][r], _mm256_madd_epi16(_mm256_maddubs_epi16(hi[h], xh), ones));
+            acc[h][r] = _mm256_fmadd_ps(kh ? d2[h] : d[h],
+                                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[h][r]), xd, xs), acc[h][r]);
+            s[h][r] = _mm256_setzero_si256();
           }
         }
       }
+      continue;  // scaled above
     } else if constexpr (BITS != 8) {
       // The pair sums add up in int16 before one VPMADDWD widens them: a pair is at most
       // 2 * 15 * 127 = 3,810 (5-bit codes: 7,874), so all 8 of a block (5-bit: 4) fit in 16
