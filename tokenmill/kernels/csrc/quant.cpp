@@ -119,31 +119,28 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
 #endif
   parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     float y[2 * kRowTile][kGroup];
-    thread_local std::vector<uint8_t> wide;  // a 6-bit group widened (widen_q6)
-    if (kWidenQ6 && qbits(Q) == 6 && m >= kWidenRows) wide.resize(2 * group_stride(kQ6Wide, K));
+    thread_local std::vector<uint8_t> wide;  // a 6-bit group widened (widen_q6: AVX2)
+    if (kWidenQ6 && qbits(Q) == 6 && m >= kWidenRows) wide.resize(group_stride(kQ6Wide, K));
     for (int64_t i0 = 0; i0 < m; i0 += kRowChunk) {  // input rows stay in cache across groups
       const int64_t i1 = std::min(m, i0 + kRowChunk);
       for (int64_t g = g0; g < g1;) {
         // two groups at once where a row's broadcast feeds both (VNNI), in tiles of fewer rows
-        // (6-bit codes: their unpacking, not the broadcasts, bounds them, 8-row tiles; but
-        // widened, as 8-bit codes)
+        const bool pair = kGroupPairs && g + 1 < g1;
         const bool widen = kWidenQ6 && qbits(Q) == 6 && i1 - i0 >= kWidenRows;
-        const bool pair = kGroupPairs && (qbits(Q) != 6 || widen) && g + 1 < g1;
-        const int64_t wstride = group_stride(kQ6Wide, K);
-        if (widen) {  // the group (pair) widened once for the row chunk
-          widen_q6(wq + g * gstride, K, wide.data());
-          if (pair) widen_q6(wq + (g + 1) * gstride, K, wide.data() + wstride);
-        }
+        if (widen) widen_q6(wq + g * gstride, K, wide.data());  // once for the row chunk
         const int64_t tile_rows = w->row_invariant ? 1 : pair ? kPairRows : kRowTile;
         for (int64_t i = i0; i < i1; i += tile_rows) {
           const int R = static_cast<int>(std::min(tile_rows, i1 - i));
           const int64_t bi = i * (K / kBlock), next = g + (pair ? 2 : 1);
           const uint8_t* pf = i == i0 && next < g1 ? wq + next * gstride : nullptr;
-          if (widen) {  // (widen_q6 reads the codes: nothing to prefetch)
-            const uint8_t* wd = wide.data();
-            if (pair) tile_pair<kQ6Wide>(R, xq + i * K, dx + bi, sx + bi * sums, K, wd, wstride, y, nullptr);
-            else tile<kQ6Wide>(R, xq + i * K, dx + bi, sx + bi * sums, K, wd, y, nullptr);
-          } else if (pair) {
+          if constexpr (kWidenQ6 && qbits(Q) == 6) {  // (no pairs where groups are widened)
+            if (widen) {  // (widen_q6 reads the codes: nothing to prefetch)
+              tile<kQ6Wide>(R, xq + i * K, dx + bi, sx + bi * sums, K, wide.data(), y, nullptr);
+              store_group(w, out, ldo, i, R, g, y);
+              continue;
+            }
+          }
+          if (pair) {
             tile_pair<Q>(R, xq + i * K, dx + bi, sx + bi * sums, K, wq + g * gstride, gstride, y, pf);
           } else {
             tile<Q>(R, xq + i * K, dx + bi, sx + bi * sums, K, wq + g * gstride, y, pf);

@@ -22,7 +22,7 @@ constexpr int qbits(int q) { return q & 15; }
 constexpr bool qsym(int q) { return (q & TM_QSYM) != 0; }
 constexpr bool qsuper(int q) { return (q & TM_QSUPER) != 0; }
 // kQ6Wide (8 bits with TM_QSUPER: no weight packs to it): 6-bit groups widened to a byte a
-// code for calls of many rows (widen_q6), the scales as they were
+// code for calls of many rows (widen_q6, AVX2), the scales as they were
 constexpr int kQ6Wide = TM_QI8 | TM_QSUPER;
 constexpr int64_t kWidenRows = 32;  // from this many rows of a row chunk (measured: 16 rows ran 0.8x)
 constexpr bool qhalves(int q) { return qbits(q) == 6 || q == kQ6Wide; }
@@ -162,27 +162,11 @@ inline void unpack_chunk(const uint8_t* codes, int j, __m512i& lo, __m512i& hi) 
   }
 }
 
-// Calls of many rows widen a 6-bit group once (widen_q6) instead of unpacking its codes in
-// every row tile: the codes one byte each (w = d (c - 32) as before, the same integer sums and
-// float steps: the same bits), which the 8-bit loop multiplies, 4 k per VPDPBUSD
-inline void widen_q6(const uint8_t* grp, int64_t K, uint8_t* out) {
-  constexpr int Q = TM_QI6 | TM_QSUPER;
-  const int64_t blocks = K / kBlock;
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* src = grp + b * group_bytes(Q);
-    uint8_t* dst = out + b * group_bytes(kQ6Wide);
-    std::memcpy(dst, src, scale_bytes(Q));
-    for (int j = 0; j < 4; ++j) {
-      __m512i lo, hi;
-      unpack_chunk<6>(src + scale_bytes(Q), j, lo, hi);
-      _mm512_storeu_si512(dst + scale_bytes(Q) + 64 * j, lo);
-      _mm512_storeu_si512(dst + scale_bytes(Q) + 64 * (4 + j), hi);
-    }
-  }
-  std::memcpy(out + blocks * group_bytes(kQ6Wide), grp + blocks * group_bytes(Q),
-              blocks / kSuper * super_bytes(Q));
-}
-constexpr bool kWidenQ6 = true;
+// (AVX2 widens 6-bit groups for many rows, quant_tiles_avx2.h; here, with two groups per
+// broadcast, unpacking the codes in every tile measured faster than widening them once: 0.80-0.93
+// against 0.75-0.81 of the 8-bit conversion's speed at 32-512 rows)
+inline void widen_q6(const uint8_t*, int64_t, uint8_t*) {}
+constexpr bool kWidenQ6 = false;
 
 // y[g * R + r][0..16) for G consecutive groups (gstride bytes apart) and input rows r < R:
 // each row's 4-byte broadcast of x serves the G groups' codes
@@ -249,10 +233,7 @@ void tile_vnni(const int8_t* xq, const float* dx, const float* sx, int64_t K, co
         for (int g = 0; g < G; ++g) v[g] = _mm512_loadu_si512(blk[g] + scale_bytes(Q) + 64 * j);
         for (int r = 0; r < R; ++r) {
           const __m512i x = x4(r, 4 * j);
-          for (int g = 0; g < G; ++g) {
-            if (HALVES && j >= 4) s2[g][r] = _mm512_dpbusd_epi32(s2[g][r], v[g], x);  // k >= 16
-            else s[g][r] = _mm512_dpbusd_epi32(s[g][r], v[g], x);
-          }
+          for (int g = 0; g < G; ++g) s[g][r] = _mm512_dpbusd_epi32(s[g][r], v[g], x);
         }
       }
     }
@@ -328,7 +309,7 @@ void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
   tile_portable<Q>(R, xq, dx, sx, K, w, y);
 }
 constexpr bool kFastQuant = false;
-inline void widen_q6(const uint8_t*, int64_t, uint8_t*) {}  // the vector builds only
+inline void widen_q6(const uint8_t*, int64_t, uint8_t*) {}  // AVX2 only
 constexpr bool kWidenQ6 = false;
 #endif
 
