@@ -20,7 +20,7 @@ QUANT_BITS = (4, 5, 8)  # block-quantized weights: TM_QI4, TM_QI5, TM_QI8 (code 
 Q6_K = 6 | 32  # tm.h TM_QI6 | TM_QSUPER: GGUF's Q6_K as it is (BlockQuant.q6)
 QSYM = 16  # tm.h TM_QSYM: added to the bits where every m = -2**(bits - 1) d (stored: d alone)
 QSUPER = 32  # tm.h TM_QSUPER: d = sc D, m = -mn M (GGUF's K formats' integers, BlockQuant.ks)
-QUANT_GROUP = 16  # output rows packed together (quant_tiles.h kGroup)
+QUANT_GROUP = 16  # output rows packed together (quant_layout.h kGroup)
 MAX_RUNS = 4  # runs of rows of their own code width in one quantized weight (tm.h TM_MAX_RUNS)
 
 

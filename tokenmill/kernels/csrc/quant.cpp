@@ -7,18 +7,22 @@
 // 4 consecutive k of 16 outputs (quant_pack.cpp); per (group, block): 16 d, 16 m (float16; a
 // symmetric weight, TM_QSYM, m = -2^(bits - 1) d for every block: the 16 d alone; TM_QSUPER,
 // Q4_K / Q5_K: 16 sc and 16 mn bytes, with 16 D and 16 M per 8 blocks after the group's
-// blocks, d = sc D, m = -mn M), then the codes:
+// blocks, d = sc D, m = -mn M; Q6_K, TM_QI6 | TM_QSUPER: 16 int8 sc for k < 16 and 16 for
+// k >= 16, with 16 D per 8 blocks, d = sc D and m = -32 d per half), then the codes:
 //   4 bits  4 chunks of 64 bytes; byte 4 o + t of chunk j: code k = 4 j + t (low nibble) and
 //           k = 16 + 4 j + t (high nibble) of output o
 //   5 bits  the 4-bit chunks, then 8 words of 64 bits: bit p of word 2 j (2 j + 1) is the
 //           fifth bit of the low (high) nibble in byte p of chunk j
+//   6 bits  the 4-bit chunks, then 2 x 64 bytes (low, high nibbles' k): bits 2 j, 2 j + 1 of
+//           byte 4 o + t are bits 4-5 of code k = 4 j + t (+ 16)
 //   8 bits  8 chunks of 64 bytes; byte 4 o + t of chunk j: code k = 4 j + t
 //
 // The product uses integer dot products, as llama.cpp's CPU kernels do: each input row is
 // quantized per block of 32 to int8 (scale dx = max |x| / 127, rounded to nearest), then per
 // block and output sum_k c * q is exact in int32 (VPDPBUSD: unsigned codes x signed int8,
-// 4 products per lane) and y += d dx sum(c q) + m dx sum(q). 16 outputs per vector, so no
-// horizontal sums; the codes of a group are read once for up to 8 input rows.
+// 4 products per lane) and y += d dx sum(c q) + m dx sum(q) (6 bits: per half block, two sums).
+// 16 outputs per vector, so no horizontal sums; the codes of a group are read once for up to 8
+// input rows.
 #include <type_traits>
 
 #include "internal.h"

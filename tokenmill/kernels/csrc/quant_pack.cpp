@@ -1,8 +1,8 @@
 // tokenmill CPU kernels: block-quantized weights repacked into the kernels' layout (the
-// layout: quant.cpp's header and quant_tiles.h), and back to float32.
+// layout: quant.cpp's header and quant_layout.h), and back to float32.
 #include <type_traits>
 
-#include "quant_tiles.h"
+#include "quant_layout.h"
 #include "tm.h"
 
 namespace tm {

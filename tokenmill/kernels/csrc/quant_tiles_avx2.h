@@ -237,7 +237,7 @@ void tile(int R, const int8_t* xq, const float* dx, const float* sx, int64_t K,
 }
 constexpr bool kFastQuant = true;
 
-// A 6-bit group widened to a byte a code (quant_tiles.h kQ6Wide), the scales copied: calls of
+// A 6-bit group widened to a byte a code (quant_layout.h kQ6Wide), the scales copied: calls of
 // many rows unpack its codes once instead of in every row tile
 inline void widen_q6(const uint8_t* grp, int64_t K, uint8_t* out) {
   constexpr int Q = TM_QI6 | TM_QSUPER;
