@@ -71,8 +71,8 @@ inline void quantize_block(const T* x, int8_t* q, float* d, int* half) {
 #endif
 }
 
-// x (m, K) -> int8 codes, per-block scales dx and dx * sum(codes) (sx; sh: per half block,
-// the 6-bit weights' sums). The codes row by row, or `tiled` (the AMX tiles' left operand,
+// x (m, K) -> int8 codes, per-block scales dx and dx * sum(codes) (sx; sh, unless null: per
+// half block, the 6-bit weights' sums). The codes row by row, or `tiled` (the AMX tiles' left operand,
 // quant_amx.h): per 16 rows and block, 16 x 32 bytes.
 template <typename T>
 void quantize_rows(const T* x, int64_t m, int64_t K, int8_t* xq, float* dx, float* sx,
@@ -85,7 +85,7 @@ void quantize_rows(const T* x, int64_t m, int64_t K, int8_t* xq, float* dx, floa
       int half[2];
       quantize_block(x + b * kBlock, xq + at, dx + b, half);
       sx[b] = dx[b] * static_cast<float>(half[0] + half[1]);
-      sh[2 * b] = dx[b] * static_cast<float>(half[0]), sh[2 * b + 1] = dx[b] * static_cast<float>(half[1]);
+      if (sh) sh[2 * b] = dx[b] * static_cast<float>(half[0]), sh[2 * b + 1] = dx[b] * static_cast<float>(half[1]);
     }
   });
 }
@@ -197,24 +197,26 @@ void int8_rows(int dtype, const void* x, int64_t m, const tm_linear* w, int out_
   const int64_t K = w->k, blocks = m * (K / kBlock);
   thread_local std::vector<int8_t> xq[2];  // [tiled]
   thread_local std::vector<float> dx[2], sx[2], sh[2];  // sh: per half block
-  bool ready[2] = {false, false};
+  bool ready[2] = {false, false}, halves = false;  // halves: a 6-bit run reads sh
+  for_each_run(w, [&](const tm_linear& run, int64_t) { halves |= qhalves(run.quant); });
   // row by row, or `tiled` for the AMX tiles: whole 16-row tiles, rows past m zero
   auto quantize = [&](bool tiled) {
     const int64_t rows = tiled ? (m + 15) / 16 * 16 : m;
     std::vector<int8_t>& q = xq[tiled];
     q.resize(rows * K);
     dx[tiled].resize(rows * (K / kBlock)), sx[tiled].resize(rows * (K / kBlock));
-    sh[tiled].resize(2 * rows * (K / kBlock));
+    if (halves) sh[tiled].resize(2 * rows * (K / kBlock));
     if (tiled) std::fill(q.begin() + m / 16 * 16 * K, q.end(), int8_t{0});
     std::fill(dx[tiled].begin() + blocks, dx[tiled].end(), 0.f);
     std::fill(sx[tiled].begin() + blocks, sx[tiled].end(), 0.f);
-    std::fill(sh[tiled].begin() + 2 * blocks, sh[tiled].end(), 0.f);
+    if (halves) std::fill(sh[tiled].begin() + 2 * blocks, sh[tiled].end(), 0.f);
+    float* h = halves ? sh[tiled].data() : nullptr;
     if (dtype == TM_F32)
       quantize_rows(static_cast<const float*>(x), m, K, q.data(), dx[tiled].data(),
-                    sx[tiled].data(), sh[tiled].data(), tiled);
+                    sx[tiled].data(), h, tiled);
     else
       quantize_rows(static_cast<const bf16*>(x), m, K, q.data(), dx[tiled].data(),
-                    sx[tiled].data(), sh[tiled].data(), tiled);
+                    sx[tiled].data(), h, tiled);
     ready[tiled] = true;
   };
   for_each_run(w, [&](const tm_linear& run, int64_t row) {
