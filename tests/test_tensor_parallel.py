@@ -203,6 +203,37 @@ def test_quantized_weights_and_kv_shard(tmp_path, quant):
         two.close()
 
 
+def test_gguf_quantized_blocks_shard(tmp_path):
+    """A GGUF file's quantized matrices cut as they load: by rows straight from the file's
+    blocks (q|k|v, gate|up), by input columns (o, down: through their BlockQuant conversion),
+    the vocabulary tables by rows. Each rank's logits stay as close to the file dequantized to
+    float32 as one rank's (test_quantized_models.py's tolerance)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.gguf_util import write_gguf
+    from tests.test_gguf_loader import tiny
+    from tests.test_quantized_models import TOLERANCE
+
+    model = tiny("llama", tie=False)
+    types = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K, "attn_q.weight": Q.Q4_K,
+             "attn_k.weight": Q.Q5_K, "attn_v.weight": Q.Q6_K, "attn_output.weight": Q.Q4_0,
+             "ffn_gate.weight": Q.Q4_K, "ffn_up.weight": Q.Q5_1, "ffn_down.weight": Q.Q6_K}
+    write_gguf(tmp_path / "m.gguf", "llama", model.config, model.state_dict(), types)
+    kw = dict(model=str(tmp_path / "m.gguf"), max_model_len=64, max_num_seqs=2, block_size=8)
+    prompt = [3, 100, 7, 250, 11, 42, 199, 5]
+    exact = LLMEngine(EngineConfig(dtype="float32", **kw)).compute_logits(prompt)
+    one = LLMEngine(EngineConfig(**kw))
+    two = LLMEngine(EngineConfig(tensor_parallel_size=2, **kw))
+    try:
+        assert one.dtype == two.dtype == torch.bfloat16  # the blocks stay quantized
+        for engine in (one, two):
+            err = ((engine.compute_logits(prompt) - exact).norm() / exact.norm()).item()
+            print(f"tensor parallel {engine.config.tensor_parallel_size}: relative error {err:.4f}")
+            assert err < TOLERANCE
+    finally:
+        two.close()
+
+
 @pytest.mark.parametrize("comm", ["shm", "gloo"])
 def test_both_collective_paths(tmp_path, monkeypatch, comm):
     """One host uses shared-memory collectives (distributed/shm.py); gloo's must give the same."""

@@ -24,7 +24,7 @@ import math
 import torch
 
 from tokenmill.models.config import ModelConfig
-from tokenmill.quantization import BlockQuant
+from tokenmill.quantization import BlockQuant, QuantWeight
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
              "Gemma3ForCausalLM", "Phi3ForCausalLM", "GPT2LMHeadModel")
@@ -121,17 +121,18 @@ VOCAB_PARALLEL = ("embed_tokens", "wte", "lm_head")  # (GPT-2's wpe, positions, 
 
 
 def _rows(t, rows: slice):
-    return t.rows(rows) if isinstance(t, BlockQuant) else t[rows]
+    return t.rows(rows) if isinstance(t, QuantWeight) else t[rows]
 
 
 def _cat(parts):
-    if isinstance(parts[0], BlockQuant):
+    if isinstance(parts[0], QuantWeight):
         return BlockQuant.cat(parts)
     return torch.cat(parts)
 
 
 def _cols(t, cols: slice):
-    if isinstance(t, BlockQuant):
+    if isinstance(t, QuantWeight):
+        t = t.block_quant()
         block = t.codes.shape[1] // t.d.shape[1]
         if t.perm is not None or cols.start % block or cols.stop % block:
             raise ValueError("this quantized weight cannot be split by input columns on its "
@@ -147,7 +148,8 @@ def _padded_rows(t, rows: slice):
     missing = rows.stop - rows.start - part.shape[0]
     if missing <= 0:
         return part
-    if isinstance(part, BlockQuant):
+    if isinstance(part, QuantWeight):
+        part = part.block_quant()
         k = part.codes.shape[1]
         pad = BlockQuant(torch.zeros(missing, k, dtype=torch.uint8),
                          torch.zeros(missing, part.d.shape[1], dtype=torch.float16),

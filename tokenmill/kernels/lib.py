@@ -29,7 +29,7 @@ from tokenmill.kernels.weight_arena import ARENA
 
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
-ABI_VERSION = 23
+ABI_VERSION = 24
 _P, _I = c_void_p, c_int64
 
 
@@ -76,6 +76,8 @@ _SIGNATURES = {
     "tm_qpacked_bytes": (_I, [c_int, _I, _I]),
     "tm_qpack": (None, [c_int, _P, _P, _P, _I, _I, _P]),
     "tm_qpack_super": (None, [c_int, _P, _P, _P, _P, _P, _I, _I, _P]),
+    "tm_gguf_quant": (c_int, [c_int]),
+    "tm_qpack_gguf": (c_int, [c_int, _P, _I, _I, _I, _P]),
     "tm_qdequantize": (c_int, [c_int, _P, _I, _I, _P, _I, _P]),
     "tm_rms_norm": (None, [c_int, _P, _P, _P, _P, _I, _I, c_float]),
     "tm_rope": (None, [c_int, _P, _I, _I, _I, _P, _I, _P]),

@@ -9,6 +9,7 @@ the same checks before any pointer reaches C."""
 from __future__ import annotations
 
 import ctypes
+import functools
 from ctypes import c_int64, c_void_p
 
 import torch
@@ -85,11 +86,66 @@ class QuantCalls:
                   else b | QSUPER if ks is not None and b in (4, 5) and k % 256 == 0
                   else b | QSYM if _symmetric(d, m, b) else b
                   for (_, d, m), b, ks, q6 in zip(parts, widths, kss, q6s)]
+        specs = []  # (quant, rows, write(at)) per part
+        for (codes, d, m), q, ks, q6 in zip(parts, quants, kss, q6s):
+            specs.append((q, codes.shape[0], self._code_writer(q, codes, d, m, ks, q6, k)))
+        return self._pack_runs(specs, k, bias)
+
+    def qpack_gguf_parts(self, parts: list[tuple[int, torch.Tensor]], k: int) -> PackedLinear:
+        """GGUF matrices stacked along the output rows, each (ggml type, its file blocks
+        (rows, bytes per row) uint8) packed straight from the blocks (tm_qpack_gguf): the
+        same bytes as their BlockQuant conversion through qpack_parts, without the conversion's
+        copies. Every part but the last must end on a group of 16 rows."""
+        specs = []
+        for i, (qtype, blocks) in enumerate(parts):
+            q = self._lib.tm_gguf_quant(qtype)
+            n = blocks.shape[0]
+            _check(q >= 0 and blocks.dtype == torch.uint8 and blocks.dim() == 2
+                   and self._lib.tm_qpack_gguf(qtype, None, blocks.shape[1], 0, k, None) == 0
+                   and (i == len(parts) - 1 or n % QUANT_GROUP == 0),
+                   f"qpack_gguf: GGUF type {qtype} blocks of {k} columns as (rows, bytes a row) "
+                   f"uint8 (parts but the last in whole groups of {QUANT_GROUP} rows)")
+            blocks = blocks.contiguous()
+            specs.append((q, n, functools.partial(self._gguf_write, qtype, blocks, n, k)))
+        return self._pack_runs(specs, k, None)
+
+    def _gguf_write(self, qtype: int, blocks: torch.Tensor, n: int, k: int, at: int) -> None:
+        if self._lib.tm_qpack_gguf(qtype, blocks.data_ptr(), blocks.shape[1], n, k, at) == -2:
+            raise ValueError("GGUF weight has a float16 scale that is inf or NaN")
+
+    def _code_writer(self, q, codes, d, m, ks, q6, k):
+        """write(at): one part of codes and scales packed at address `at` (qpack_parts)."""
+        codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
+        n = codes.shape[0]
+        if q == Q6_K:
+            _check(q6[0].dtype == torch.uint8 and q6[0].shape == (n, k)
+                   and q6[1].dtype == torch.int8 and q6[1].shape == (n, k // 16)
+                   and q6[2].dtype == torch.float16 and q6[2].shape == (n, k // 256),
+                   f"qpack: ({n}, {k}) Q6_K as uint8 codes, int8 (n, k / 16) and float16 "
+                   "(n, k / 256) scales")
+            c6, sc, dd = (t.contiguous() for t in q6)
+            return lambda at: self._lib.tm_qpack_super(q, c6.data_ptr(), sc.data_ptr(), None,
+                                                       dd.data_ptr(), None, n, k, at)
+        if q & QSUPER:
+            _check(all(t.dtype == torch.uint8 and t.shape == (n, k // 32) for t in ks[:2])
+                   and all(t.dtype == torch.float16 and t.shape == (n, k // 256)
+                           for t in ks[2:]),
+                   f"qpack: ({n}, {k}) K scales as uint8 (n, k / 32) and float16 (n, k / 256)")
+            sc, mn, dd, mm = (t.contiguous() for t in ks)
+            return lambda at: self._lib.tm_qpack_super(q, codes.data_ptr(), sc.data_ptr(),
+                                                       mn.data_ptr(), dd.data_ptr(),
+                                                       mm.data_ptr(), n, k, at)
+        return lambda at: self._lib.tm_qpack(q, codes.data_ptr(), d.data_ptr(), m.data_ptr(),
+                                             n, k, at)
+
+    def _pack_runs(self, specs: list[tuple], k: int, bias) -> PackedLinear:
+        """Parts (quant, rows, write(at)) packed one after another into one weight; adjacent
+        parts of one form make one run of rows (tm_linear.runs)."""
         runs: list[tuple[int, int]] = []  # (quant, end row)
         row = size = 0
-        for (codes, _, _), q in zip(parts, quants):
-            row += codes.shape[0]
-            size += self._lib.tm_qpacked_bytes(q, codes.shape[0], k)
+        for q, n, _ in specs:
+            row += n
+            size += self._lib.tm_qpacked_bytes(q, n, k)
             if runs and runs[-1][0] == q:
                 runs[-1] = (q, row)
             else:
@@ -98,33 +154,11 @@ class QuantCalls:
         packed = ARENA.empty(size, torch.uint8)
         self._sync_threads()
         at = packed.data_ptr()
-        for (codes, d, m), q, ks, q6 in zip(parts, quants, kss, q6s):
-            codes, d, m = codes.contiguous(), d.contiguous(), m.contiguous()
-            if q == Q6_K:
-                n = codes.shape[0]
-                _check(q6[0].dtype == torch.uint8 and q6[0].shape == (n, k)
-                       and q6[1].dtype == torch.int8 and q6[1].shape == (n, k // 16)
-                       and q6[2].dtype == torch.float16 and q6[2].shape == (n, k // 256),
-                       f"qpack: ({n}, {k}) Q6_K as uint8 codes, int8 (n, k / 16) and float16 "
-                       "(n, k / 256) scales")
-                c6, sc, dd = (t.contiguous() for t in q6)
-                self._lib.tm_qpack_super(q, c6.data_ptr(), sc.data_ptr(), None, dd.data_ptr(),
-                                         None, n, k, at)
-            elif q & QSUPER:
-                n = codes.shape[0]
-                _check(all(t.dtype == torch.uint8 and t.shape == (n, k // 32) for t in ks[:2])
-                       and all(t.dtype == torch.float16 and t.shape == (n, k // 256)
-                               for t in ks[2:]),
-                       f"qpack: ({n}, {k}) K scales as uint8 (n, k / 32) and float16 (n, k / 256)")
-                sc, mn, dd, mm = (t.contiguous() for t in ks)
-                self._lib.tm_qpack_super(q, codes.data_ptr(), sc.data_ptr(), mn.data_ptr(),
-                                         dd.data_ptr(), mm.data_ptr(), codes.shape[0], k, at)
-            else:
-                self._lib.tm_qpack(q, codes.data_ptr(), d.data_ptr(), m.data_ptr(),
-                                   codes.shape[0], k, at)
-            at += self._lib.tm_qpacked_bytes(q, codes.shape[0], k)
+        for q, n, write in specs:
+            write(at)
+            at += self._lib.tm_qpacked_bytes(q, n, k)
         b = None if bias is None else bias.detach().float().contiguous()
-        widest = max(quants, key=lambda q: q & 15)
+        widest = max((q for q, _, _ in specs), key=lambda q: q & 15)
         return PackedLinear(packed, b, row, k, widest, runs=runs if len(runs) > 1 else None)
 
     def qdequantize(self, w: PackedLinear, rows: torch.Tensor | None = None) -> torch.Tensor:

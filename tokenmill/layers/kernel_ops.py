@@ -83,11 +83,17 @@ class KernelOps(TorchOps):
     def pack_quantized(self, parts: list):
         """Each part packed where it lands (no stacked copy of the codes), in its own code
         width (a Q4_K_M file's q|k|v: q and k 4-bit, v 8-bit), when every part but the last
-        ends on a group of rows; else the stacked parts in the widest."""
+        ends on a group of rows; else the stacked parts in the widest. GGUF matrices pack
+        straight from their file's blocks."""
         from tokenmill.kernels.lib import MAX_RUNS, QUANT_GROUP
+        from tokenmill.quantization.gguf_blocks import GGUFMatrix
 
         if any(p.shape[0] % QUANT_GROUP for p in parts[:-1]) or len(parts) > MAX_RUNS:
             parts = [BlockQuant.cat(parts)]
+        if all(isinstance(p, GGUFMatrix) for p in parts):  # from the file's blocks
+            return self.lib.qpack_gguf_parts([(p.qtype, p.blocks) for p in parts],
+                                             parts[0].shape[1])
+        parts = [p.block_quant() for p in parts]
         return self.lib.qpack_parts([(p.codes, p.d, p.m, p.ks, p.q6) for p in parts],
                                     [p.bits for p in parts])
 

@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from tokenmill.layers import ops
-from tokenmill.quantization import BlockQuant
+from tokenmill.quantization import QuantWeight
 
 
-def set_quantized(module: nn.Module, bq: BlockQuant | list[BlockQuant]) -> None:
+def set_quantized(module: nn.Module, bq: QuantWeight | list[QuantWeight]) -> None:
     """Give module.weight the quantized form `bq`, or of its parts stacked along the output
     rows (same input order; packed by the module's op implementation)."""
     parts = bq if isinstance(bq, list) else [bq]
@@ -65,11 +65,11 @@ class Linear(nn.Module):
 
     def takes_quantized(self, tensor) -> bool:
         """Whether load_shard must take this checkpoint part (rather than a plain copy)."""
-        return isinstance(tensor, BlockQuant) or bool(self._shards) or (
+        return isinstance(tensor, QuantWeight) or bool(self._shards) or (
             self.quantize_on_load is not None)
 
     def load_shard(self, index: int | None, tensor) -> None:
-        """One fused part (index; None when unfused) of the weight, float or BlockQuant. Once
+        """One fused part (index; None when unfused) of the weight, float or QuantWeight. Once
         every part is in: quantized when all parts are (or quantize_on_load is set), else the
         quantized parts are dequantized into the float weight."""
         from tokenmill.quantization.rtn import quantize
@@ -79,17 +79,17 @@ class Linear(nn.Module):
             raise ValueError(f"checkpoint part {index} of a {tuple(self.weight.shape)} linear "
                              f"has shape {tuple(tensor.shape)}, expected "
                              f"{(rows, self.weight.shape[1])}")
-        if self.quantize_on_load and not isinstance(tensor, BlockQuant):
+        if self.quantize_on_load and not isinstance(tensor, QuantWeight):
             tensor = quantize(tensor, self.quantize_on_load)
         self._shards[index] = tensor
         if len(self._shards) < max(len(self.sizes), 1) and index is not None:
             return
         parts = [self._shards[i] for i in sorted(self._shards, key=lambda i: i or 0)]
         self._shards = {}
-        if all(isinstance(p, BlockQuant) for p in parts) and BlockQuant.same_order(parts):
+        if all(isinstance(p, QuantWeight) for p in parts) and QuantWeight.same_order(parts):
             return set_quantized(self, parts)
         with torch.no_grad():
-            self.weight.copy_(torch.cat([p.dequantize() if isinstance(p, BlockQuant) else p
+            self.weight.copy_(torch.cat([p.dequantize() if isinstance(p, QuantWeight) else p
                                          for p in parts]))
 
     def prepared(self):
@@ -152,9 +152,9 @@ class Embedding(nn.Embedding):
         self.tp: tuple | None = None  # (group, first row, end): this rank's vocabulary rows
 
     def takes_quantized(self, tensor) -> bool:
-        return isinstance(tensor, BlockQuant)
+        return isinstance(tensor, QuantWeight)
 
-    def load_shard(self, index: int | None, tensor: BlockQuant) -> None:
+    def load_shard(self, index: int | None, tensor: QuantWeight) -> None:
         set_quantized(self, tensor)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

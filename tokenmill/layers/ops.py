@@ -94,8 +94,8 @@ class TorchOps:
     quantized_kernels = False  # whether quantized weights run faster than dequantized ones
 
     def pack_quantized(self, parts: list):
-        """The executable form of BlockQuant parts stacked along the output rows."""
-        return parts[0] if len(parts) == 1 else BlockQuant.cat(parts)
+        """The executable form of quantized parts stacked along the output rows."""
+        return parts[0].block_quant() if len(parts) == 1 else BlockQuant.cat(parts)
 
     def dequantize(self, q, rows: torch.Tensor | None = None) -> torch.Tensor:
         """A packed quantized weight (or some of its rows) in float32, columns as stored."""

@@ -29,8 +29,8 @@ from tokenmill.loaders.gguf_file import GGUFFile, field_value, open_gguf
 from tokenmill.loaders.permute import unpermute_rope_rows
 from tokenmill.models.config import ModelConfig
 from tokenmill.models.registry import gguf_family
-from tokenmill.quantization import BlockQuant
-from tokenmill.quantization.gguf_blocks import NATIVE_TYPES, to_block_quant
+from tokenmill.quantization import QuantWeight
+from tokenmill.quantization.gguf_blocks import NATIVE_TYPES, GGUFMatrix
 
 _Q = GGMLQuantizationType
 SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1,
@@ -142,11 +142,12 @@ def bf16_matrix(data: np.ndarray) -> torch.Tensor:
 
 def gguf_weights(reader: GGUFFile, cfg: ModelConfig, keep_quantized: bool = False,
                  dtype: torch.dtype = torch.float32,
-                 ) -> Iterator[tuple[str, torch.Tensor | BlockQuant]]:
-    """(Hugging Face name, float32 tensor), or BlockQuant for weight matrices of a native type
+                 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """(Hugging Face name, float32 tensor), or GGUFMatrix for weight matrices of a native type
     with keep_quantized; BF16 matrices stay bfloat16 for a bfloat16 `dtype` (the same values
-    either way). Each tensor is a copy; the file pages it was read from are let go before the
-    consumer takes it, so the mapped file never becomes resident all at once."""
+    either way). Float tensors are copies and a GGUFMatrix a view of the file's bytes (packed
+    by the consumer as it takes it); the file pages read so far are let go before each tensor
+    is yielded, so the mapped file never becomes resident all at once."""
     family = gguf_family_of(reader)
     permute = family.permute_qk
     for t in reader.tensors:
@@ -154,12 +155,12 @@ def gguf_weights(reader: GGUFFile, cfg: ModelConfig, keep_quantized: bool = Fals
             continue
         name = hf_name(t.name, family)
         if keep_quantized and len(t.shape) == 2 and t.tensor_type in NATIVE_TYPES:
-            tensor = to_block_quant(t.data, t.tensor_type, int(t.shape[1]), int(t.shape[0]))
+            tensor = GGUFMatrix.from_file(t.data, t.tensor_type, int(t.shape[0]))
         elif dtype == torch.bfloat16 and len(t.shape) == 2 and t.tensor_type == _Q.BF16:
             tensor = bf16_matrix(t.data)
         else:
             tensor = dequantize_tensor(t.data, t.tensor_type, t.name)
-        if family.to_hf is not None and not isinstance(tensor, BlockQuant):
+        if family.to_hf is not None and not isinstance(tensor, QuantWeight):
             tensor = family.to_hf(name, tensor)
         if permute and ".q_proj." in name:
             tensor = _unpermute(tensor, cfg.num_attention_heads)
@@ -170,7 +171,7 @@ def gguf_weights(reader: GGUFFile, cfg: ModelConfig, keep_quantized: bool = Fals
 
 
 def _unpermute(tensor, heads: int):
-    if isinstance(tensor, BlockQuant):
+    if isinstance(tensor, QuantWeight):
         return tensor.map_rows(lambda t: unpermute_rope_rows(t, heads))
     return unpermute_rope_rows(tensor, heads)
 

@@ -27,8 +27,28 @@ def _finite_f16(t: torch.Tensor) -> bool:
     return t.numel() == 0 or int((t.view(torch.int16) & 0x7FFF).max()) < 0x7C00
 
 
+class QuantWeight:
+    """A quantized checkpoint matrix as a loader hands it over: BlockQuant, or a form that
+    converts to it on demand (gguf_blocks.GGUFMatrix: a GGUF file's blocks, which the kernels
+    pack without the conversion). `shape`, `bits`, `perm`, rows(), map_rows() and dequantize()
+    as BlockQuant's."""
+
+    perm = None
+
+    def block_quant(self) -> BlockQuant:
+        raise NotImplementedError
+
+    @staticmethod
+    def same_order(parts: list[QuantWeight]) -> bool:
+        """Whether the parts store their input columns in the same order (perm)."""
+        perm = parts[0].perm
+        return all((p.perm is None) == (perm is None) and (perm is None or
+                                                           torch.equal(p.perm, perm))
+                   for p in parts)
+
+
 @dataclass
-class BlockQuant:
+class BlockQuant(QuantWeight):
     """An (n, k) weight as codes (n, k) uint8 < 2**bits (bits 4, 5 or 8) and float16 d, m
     (n, k / 32)."""
 
@@ -75,6 +95,9 @@ class BlockQuant:
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
+    def block_quant(self) -> BlockQuant:
+        return self
+
     def dequantize(self, stored_order: bool = False) -> torch.Tensor:
         """The float32 weight (the reference the kernels are tested against), its columns in
         input order (or as stored, permuted by perm)."""
@@ -111,19 +134,12 @@ class BlockQuant:
         return BlockQuant(fn(self.codes), fn(self.d), fn(self.m), self.bits, self.perm, ks, q6)
 
     @staticmethod
-    def same_order(parts: list[BlockQuant]) -> bool:
-        """Whether the parts store their input columns in the same order (perm)."""
-        perm = parts[0].perm
-        return all((p.perm is None) == (perm is None) and (perm is None or
-                                                           torch.equal(p.perm, perm))
-                   for p in parts)
-
-    @staticmethod
-    def cat(parts: list[BlockQuant]) -> BlockQuant | None:
+    def cat(parts: list[QuantWeight]) -> BlockQuant | None:
         """Stacked along the output rows (fused q|k|v, gate|up); narrower codes widen to the
         widest part's bits. None when the parts' input orders differ."""
-        if not BlockQuant.same_order(parts):
+        if not QuantWeight.same_order(parts):
             return None
+        parts = [p.block_quant() for p in parts]
         perm = parts[0].perm
         bits = max(p.bits for p in parts)
         ks = None  # kept where every part has it in one code width

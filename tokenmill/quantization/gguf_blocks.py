@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from gguf.constants import GGMLQuantizationType as Q
 
-from tokenmill.quantization import BlockQuant
+from tokenmill.quantization import BlockQuant, QuantWeight
 
 
 def _f16(b: np.ndarray, at: int) -> np.ndarray:
@@ -188,3 +188,41 @@ def _half(t: np.ndarray) -> torch.Tensor:
     both round to nearest even)."""
     t = np.ascontiguousarray(t)
     return torch.from_numpy(t if t.flags.writeable else t.copy()).to(torch.float16)
+
+
+class GGUFMatrix(QuantWeight):
+    """A GGUF weight matrix of a native type kept as its file's blocks: `blocks` (rows, bytes a
+    row) uint8, a view of the mapped file (a copy once rows are selected or reordered). The
+    kernels pack it from these bytes (tm_qpack_gguf: the packed form its BlockQuant would
+    give, without writing a byte a weight of codes first); block_quant() converts it for every
+    other use (the reference ops, column shards, parts stacked into one form)."""
+
+    def __init__(self, qtype: int, blocks: torch.Tensor, cols: int) -> None:
+        size, bits = _SIMPLE.get(qtype) or _K[qtype]
+        per_block = 32 if qtype in _SIMPLE else 256
+        if blocks.dim() != 2 or cols % per_block or blocks.shape[1] != cols // per_block * size:
+            raise ValueError(f"GGUF {Q(qtype).name} matrix of {cols} columns: "
+                             f"{tuple(blocks.shape)} bytes")
+        self.qtype, self.blocks, self.cols, self.bits = qtype, blocks, cols, bits
+
+    @classmethod
+    def from_file(cls, data: np.ndarray, qtype: int, cols: int) -> GGUFMatrix:
+        with warnings.catch_warnings():  # a read-only view of the file: only read
+            warnings.simplefilter("ignore", UserWarning)
+            return cls(qtype, torch.from_numpy(np.asarray(data)), cols)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.cols
+
+    def block_quant(self) -> BlockQuant:
+        return to_block_quant(self.blocks.numpy(), self.qtype, *self.shape)
+
+    def map_rows(self, fn) -> GGUFMatrix:
+        return GGUFMatrix(self.qtype, fn(self.blocks), self.cols)
+
+    def rows(self, index) -> GGUFMatrix:
+        return self.map_rows(lambda t: t[index])
+
+    def dequantize(self, stored_order: bool = False) -> torch.Tensor:
+        return self.block_quant().dequantize(stored_order)

@@ -1,57 +1,27 @@
 // tokenmill CPU kernels: block-quantized weights repacked into the kernels' layout (the
 // layout: quant.cpp's header and quant_layout.h), and back to float32.
-#include <type_traits>
+#include <algorithm>
 
-#include "quant_layout.h"
+#include "quant_pack.h"
 #include "tm.h"
 
 namespace tm {
 
-// tm_qpack's layout for rows of codes (n, k): per (group, block) scale(blk, o, i) writes output
-// o's scales (i: its index in (n, k / 32) arrays), then the codes; a TM_QSUPER weight's per-256
-// scales through super(header, o, row, s) after each group's blocks
+// tm_qpack's layout for rows of codes (n, k), a group per task: scale(blk, o, i) writes output
+// o's scales (i: its index in (n, k / 32) arrays); a TM_QSUPER weight's per-256 scales through
+// super(header, o, row, s)
 template <typename Scales, typename Super>
 void qpack_rows(int quant, const uint8_t* codes, int64_t n, int64_t k, uint8_t* out,
                 const Scales& scale, const Super& super) {
   const int64_t blocks = k / kBlock, groups = (n + kGroup - 1) / kGroup;
-  const int64_t gbytes = group_bytes(quant), at = scale_bytes(quant), stride = group_stride(quant, k);
-  const int bits = qbits(quant);
+  const int64_t stride = group_stride(quant, k);
   parallel_for(0, groups, 4, [&](int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; ++g) {
-      uint8_t* grp = out + g * stride;
-      std::memset(grp, 0, stride);  // rows past n stay zero; 5-bit words are OR-ed
-      for (int64_t o = 0; o < kGroup && g * kGroup + o < n; ++o) {
-        const int64_t row = g * kGroup + o;
-        if constexpr (!std::is_same_v<Super, std::nullptr_t>)
-          for (int64_t s = 0; s < blocks / kSuper; ++s)
-            super(reinterpret_cast<uint16_t*>(grp + blocks * gbytes + super_bytes(quant) * s), o,
-                  row, s);
-        for (int64_t b = 0; b < blocks; ++b) {
-          uint8_t* blk = grp + b * gbytes;
-          scale(blk, o, row * blocks + b);
-          const uint8_t* c = codes + row * k + b * kBlock;
-          uint8_t* q = blk + at + 4 * o;  // chunk j's 4 bytes of output o: q[64 j + t]
-          if (bits == 8) {
-            for (int64_t kk = 0; kk < kBlock; ++kk) q[64 * (kk / 4) + kk % 4] = c[kk];
-            continue;
-          }
-          for (int64_t j = 0; j < 16; ++j)  // low nibble code j, high nibble code 16 + j
-            q[64 * (j / 4) + j % 4] = static_cast<uint8_t>((c[j] & 0xF) | (c[16 + j] & 0xF) << 4);
-          if (bits == 6) {  // bits 4-5 of code kk: byte 4 o + t of 64 at 256 (+ 64: high), bits 2 j
-            for (int64_t kk = 0; kk < kBlock; ++kk)
-              q[256 + 64 * (kk / 16) + kk % 4] |= static_cast<uint8_t>((c[kk] >> 4 & 3) << 2 * (kk % 16 / 4));
-            continue;
-          }
-          if (bits != 5) continue;
-          // fifth bits: word 2 j + h (h: low/high nibble), bits 4 o .. 4 o + 3 = codes t of chunk j
-          for (int64_t w = 0; w < 8; ++w) {
-            const uint8_t* cw = c + 16 * (w % 2) + 4 * (w / 2);
-            unsigned nib = (cw[0] >> 4 & 1) | (cw[1] >> 4 & 1) << 1 | (cw[2] >> 4 & 1) << 2 |
-                           (cw[3] >> 4 & 1) << 3;
-            blk[at + 256 + 8 * w + o / 2] |= static_cast<uint8_t>(nib << 4 * (o % 2));
-          }
-        }
-      }
+      const int64_t first = g * kGroup;
+      qpack_group(quant, std::min(kGroup, n - first), k, out + g * stride,
+                  [&](int64_t o) { return codes + (first + o) * k; },
+                  [&](uint8_t* blk, int64_t o, int64_t b) { scale(blk, o, (first + o) * blocks + b); },
+                  [&](uint16_t* hdr, int64_t o, int64_t s) { super(hdr, o, first + o, s); });
     }
   });
 }
@@ -70,7 +40,7 @@ void tm_qpack(int quant, const uint8_t* codes, const uint16_t* d, const uint16_t
     auto* h = reinterpret_cast<uint16_t*>(blk);
     h[o] = d[i];
     if (!tm::qsym(quant)) h[tm::kGroup + o] = m[i];
-  }, nullptr);
+  }, [](uint16_t*, int64_t, int64_t, int64_t) {});
 }
 
 void tm_qpack_super(int quant, const uint8_t* codes, const uint8_t* sc, const uint8_t* mn,

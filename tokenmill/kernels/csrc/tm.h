@@ -23,7 +23,7 @@ enum { TM_F32 = 0, TM_BF16 = 1 };
  * Q6_K, k a multiple of 256): w = sc D (code - 32), 6-bit codes, an int8 sc per 16 k and a
  * float16 D per 256 k */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI6 = 6, TM_QI8 = 8, TM_QSYM = 16, TM_QSUPER = 32 };
-#define TM_ABI_VERSION 23
+#define TM_ABI_VERSION 24
 #define TM_MAX_RUNS 4
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
@@ -139,6 +139,16 @@ TM_API void tm_qpack(int quant, const uint8_t* codes, const uint16_t* d, const u
 TM_API void tm_qpack_super(int quant, const uint8_t* codes, const uint8_t* sc, const uint8_t* mn,
                            const uint16_t* D, const uint16_t* M, int64_t n, int64_t k,
                            uint8_t* out);
+/* A GGUF matrix (n, k) straight from its file blocks (`data`: n rows of row_bytes, k / block
+ * weights' blocks each, contiguous; ggml type ids Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K), packed
+ * as the form tm_gguf_quant(type) names (TM_QSYM for Q4_0, Q5_0, Q8_0; TM_QSUPER for the K
+ * formats; TM_QI6 | TM_QSUPER for Q6_K), tm_qpacked_bytes of it at out. tm_gguf_quant: -1
+ * for other types. tm_qpack_gguf returns 0, -1 (nothing written) for another type, k not a
+ * multiple of the type's block or row_bytes not its blocks' bytes (n 0: only these checks),
+ * -2 when a float16 scale in the file is inf or NaN. */
+TM_API int tm_gguf_quant(int type);
+TM_API int tm_qpack_gguf(int type, const uint8_t* data, int64_t row_bytes, int64_t n, int64_t k,
+                         uint8_t* out);
 TM_API int tm_qdequantize(int quant, const uint8_t* packed, int64_t n, int64_t k,
                            const int64_t* rows, int64_t count, float* out);
 /* out (m, n) in out_dtype = x (m, k) @ w.T + bias; x in the packed weight's dtype, or float32 /
