@@ -15,6 +15,7 @@ match llama.cpp/transformers closely.
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -118,8 +119,9 @@ def _rope_scaling(meta: GGUFMeta) -> dict | None:
     raise ValueError(f"GGUF rope scaling {kind!r} is not supported (only none, linear)")
 
 
-def dequantize_tensor(data: np.ndarray, qtype: int, name: str) -> torch.Tensor:
-    """GGUF tensor bytes -> float32 tensor in PyTorch's (rows, cols) order."""
+def dequantize_tensor(data: np.ndarray, qtype: int, name: str, copy: bool = True) -> torch.Tensor:
+    """GGUF tensor bytes -> float32 tensor in PyTorch's (rows, cols) order; an F32 tensor with
+    copy=False is a read-only view of the mapped file."""
     if qtype not in SUPPORTED_TYPES:
         try:
             qname = _Q(qtype).name
@@ -129,15 +131,23 @@ def dequantize_tensor(data: np.ndarray, qtype: int, name: str) -> torch.Tensor:
                          f"supported: {', '.join(t.name for t in SUPPORTED_TYPES)}")
     # a plain ndarray view: slicing np.memmap objects row by row is several times slower
     values = np.ascontiguousarray(dequantize(np.asarray(data), qtype), dtype=np.float32)
-    if not values.flags.writeable:  # float32 tensors come back as views of the mapped file
+    if not values.flags.writeable and copy:  # float32 tensors come back as views of the file
         values = values.copy()
-    return torch.from_numpy(values)
+    return _tensor(values)
 
 
 def bf16_matrix(data: np.ndarray) -> torch.Tensor:
-    """A BF16 GGUF matrix's bits as a bfloat16 tensor (a copy), for a bfloat16 model: no float32
-    copy on the way (Gemma-3-270M's 335 MB embedding made a 2.4 GB start-up peak that way)."""
-    return torch.from_numpy(np.array(np.asarray(data).view(np.int16))).view(torch.bfloat16)
+    """A BF16 GGUF matrix's bits as a bfloat16 tensor, for a bfloat16 model: a read-only view of
+    the mapped file (no float32 copy on the way: Gemma-3-270M's 335 MB embedding made a 2.4 GB
+    start-up peak that way)."""
+    return _tensor(np.asarray(data).view(np.int16)).view(torch.bfloat16)
+
+
+def _tensor(values: np.ndarray) -> torch.Tensor:
+    """torch.from_numpy, also of a read-only view of the file (which is only ever read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(values)
 
 
 def gguf_weights(reader: GGUFFile, cfg: ModelConfig, keep_quantized: bool = False,
@@ -145,9 +155,10 @@ def gguf_weights(reader: GGUFFile, cfg: ModelConfig, keep_quantized: bool = Fals
                  ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
     """(Hugging Face name, float32 tensor), or GGUFMatrix for weight matrices of a native type
     with keep_quantized; BF16 matrices stay bfloat16 for a bfloat16 `dtype` (the same values
-    either way). Float tensors are copies and a GGUFMatrix a view of the file's bytes (packed
-    by the consumer as it takes it); the file pages read so far are let go before each tensor
-    is yielded, so the mapped file never becomes resident all at once."""
+    either way). BF16 and F32 tensors and GGUFMatrix blocks are read-only views of the mapped
+    file, which the consumer copies or packs as it takes them (others are fresh float32); the
+    file pages read so far are let go before each tensor is yielded, so the mapped file never
+    becomes resident all at once."""
     family = gguf_family_of(reader)
     permute = family.permute_qk
     for t in reader.tensors:
@@ -159,7 +170,7 @@ def gguf_weights(reader: GGUFFile, cfg: ModelConfig, keep_quantized: bool = Fals
         elif dtype == torch.bfloat16 and len(t.shape) == 2 and t.tensor_type == _Q.BF16:
             tensor = bf16_matrix(t.data)
         else:
-            tensor = dequantize_tensor(t.data, t.tensor_type, t.name)
+            tensor = dequantize_tensor(t.data, t.tensor_type, t.name, copy=False)
         if family.to_hf is not None and not isinstance(tensor, QuantWeight):
             tensor = family.to_hf(name, tensor)
         if permute and ".q_proj." in name:
