@@ -6,6 +6,7 @@ reordered as the loader reorders Q and K, fused parts of mixed types; bad blocks
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -56,7 +57,7 @@ def converted(lib, parts: list[GGUFMatrix]):
 @pytest.mark.parametrize("rows,cols", [(48, 512), (7, 768), (21, 256)])
 def test_packed_from_the_blocks_as_from_the_conversion(lib, qtype, rows, cols):
     m = file_matrix(qtype, rows, cols)
-    direct, ref = lib.qpack_gguf_parts([(qtype, m.blocks)], cols), converted(lib, [m])
+    direct, ref = lib.qpack_gguf_parts([m], cols), converted(lib, [m])
     assert direct.quant == ref.quant == QUANT[qtype] and direct.runs is None
     assert (direct.n, direct.k) == (rows, cols)
     assert torch.equal(direct.packed, ref.packed)
@@ -67,7 +68,7 @@ def test_rows_reordered_as_the_loader_reorders_q_and_k(lib):
     m = file_matrix(Q.Q4_K, 64, 512, seed=1)
     rows = m.map_rows(lambda t: unpermute_rope_rows(t, 4))
     assert torch.equal(rows.dequantize(), unpermute_rope_rows(m.dequantize(), 4))
-    assert torch.equal(lib.qpack_gguf_parts([(Q.Q4_K, rows.blocks)], 512).packed,
+    assert torch.equal(lib.qpack_gguf_parts([rows], 512).packed,
                        converted(lib, [rows]).packed)
     assert rows.rows(slice(16, 32)).shape == (16, 512)
 
@@ -76,7 +77,7 @@ def test_fused_parts_of_mixed_types_in_runs(lib):
     """A Q4_K_M file's q|k|v: q and k Q4_K, v Q6_K (two runs); and Q8_0 | Q4_0 | Q4_0."""
     for types in ((Q.Q4_K, Q.Q4_K, Q.Q6_K), (Q.Q8_0, Q.Q4_0, Q.Q4_0)):
         parts = [file_matrix(t, n, 512, seed=i) for i, (t, n) in enumerate(zip(types, (32, 16, 9)))]
-        direct = lib.qpack_gguf_parts([(p.qtype, p.blocks) for p in parts], 512)
+        direct = lib.qpack_gguf_parts(parts, 512)
         ref = converted(lib, parts)
         assert direct.runs == ref.runs and len(direct.runs) == 2
         assert torch.equal(direct.packed, ref.packed)
@@ -90,18 +91,24 @@ def test_block_quant_is_the_conversion():
     assert torch.equal(bq.codes, ref.codes)
 
 
+def raw(qtype, blocks: torch.Tensor, cols: int) -> SimpleNamespace:
+    """Blocks as the packer takes them, unchecked (GGUFMatrix refuses bad shapes itself)."""
+    return SimpleNamespace(qtype=qtype, file_blocks=blocks, blocks=blocks,
+                           shape=(blocks.shape[0], cols), identity=lambda: ())
+
+
 def test_bad_blocks_are_refused(lib):
     m = file_matrix(Q.Q4_0, 16, 256)
     with pytest.raises(ValueError, match="columns"):  # bytes a row that are not the blocks'
-        lib.qpack_gguf_parts([(Q.Q4_0, m.blocks[:, :-18])], 256)
+        lib.qpack_gguf_parts([raw(Q.Q4_0, m.blocks[:, :-18], 256)], 256)
     with pytest.raises(ValueError, match="columns"):  # a type the packer does not take
-        lib.qpack_gguf_parts([(Q.Q2_K, m.blocks)], 256)
+        lib.qpack_gguf_parts([raw(Q.Q2_K, m.blocks, 256)], 256)
     with pytest.raises(ValueError, match="whole groups"):
-        lib.qpack_gguf_parts([(Q.Q4_0, m.blocks[:9]), (Q.Q4_0, m.blocks)], 256)
+        lib.qpack_gguf_parts([m.rows(slice(0, 9)), m], 256)
     with pytest.raises(ValueError, match="bytes"):
         GGUFMatrix(Q.Q4_0, m.blocks, 512)
     for qtype, at in ((Q.Q4_1, 2), (Q.Q6_K, 208), (Q.Q5_K, 0)):
         bad = file_matrix(qtype, 16, 256).blocks.clone()
         bad[3, at:at + 2] = torch.tensor([0, 0x7C], dtype=torch.uint8)  # float16 inf
         with pytest.raises(ValueError, match="inf or NaN"):
-            lib.qpack_gguf_parts([(qtype, bad)], 256)
+            lib.qpack_gguf_parts([GGUFMatrix(qtype, bad, 256)], 256)

@@ -14,6 +14,7 @@ from ctypes import c_int64, c_void_p
 
 import torch
 
+from tokenmill.kernels import packed_cache
 from tokenmill.kernels.kv_pages import _check, _index, _ptr
 from tokenmill.kernels.weight_arena import ARENA
 
@@ -91,26 +92,29 @@ class QuantCalls:
             specs.append((q, codes.shape[0], self._code_writer(q, codes, d, m, ks, q6, k)))
         return self._pack_runs(specs, k, bias)
 
-    def qpack_gguf_parts(self, parts: list[tuple[int, torch.Tensor]], k: int) -> PackedLinear:
-        """GGUF matrices stacked along the output rows, each (ggml type, its file blocks
-        (rows, bytes per row) uint8) packed straight from the blocks (tm_qpack_gguf): the
-        same bytes as their BlockQuant conversion through qpack_parts, without the conversion's
-        copies. Every part but the last must end on a group of 16 rows."""
+    def qpack_gguf_parts(self, parts: list, k: int) -> PackedLinear:
+        """GGUF matrices (quantization.gguf_blocks.GGUFMatrix: qtype, shape, blocks, identity())
+        stacked along the output rows, packed straight from their file blocks (tm_qpack_gguf):
+        the same bytes as their BlockQuant conversion through qpack_parts, without the
+        conversion's copies; or mapped from the packed cache (packed_cache.py) where it holds
+        them. Every part but the last must end on a group of 16 rows."""
         specs = []
-        for i, (qtype, blocks) in enumerate(parts):
-            q = self._lib.tm_gguf_quant(qtype)
-            n = blocks.shape[0]
-            _check(q >= 0 and blocks.dtype == torch.uint8 and blocks.dim() == 2
-                   and self._lib.tm_qpack_gguf(qtype, None, blocks.shape[1], 0, k, None) == 0
+        for i, part in enumerate(parts):
+            q = self._lib.tm_gguf_quant(part.qtype)
+            n, row_bytes = part.shape[0], part.file_blocks.shape[1]
+            _check(q >= 0 and part.shape[1] == k
+                   and self._lib.tm_qpack_gguf(part.qtype, None, row_bytes, 0, k, None) == 0
                    and (i == len(parts) - 1 or n % QUANT_GROUP == 0),
-                   f"qpack_gguf: GGUF type {qtype} blocks of {k} columns as (rows, bytes a row) "
-                   f"uint8 (parts but the last in whole groups of {QUANT_GROUP} rows)")
-            blocks = blocks.contiguous()
-            specs.append((q, n, functools.partial(self._gguf_write, qtype, blocks, n, k)))
-        return self._pack_runs(specs, k, None)
+                   f"qpack_gguf: GGUF type {part.qtype} blocks of {k} columns in {row_bytes} "
+                   f"bytes a row (parts but the last in whole groups of {QUANT_GROUP} rows)")
+            specs.append((q, n, functools.partial(self._gguf_write, part, k)))
+        return self._pack_runs(specs, k, None, repr([k, *(p.identity() for p in parts)]))
 
-    def _gguf_write(self, qtype: int, blocks: torch.Tensor, n: int, k: int, at: int) -> None:
-        if self._lib.tm_qpack_gguf(qtype, blocks.data_ptr(), blocks.shape[1], n, k, at) == -2:
+    def _gguf_write(self, part, k: int, at: int) -> None:
+        blocks = part.blocks.contiguous()
+        _check(blocks.dtype == torch.uint8, "qpack_gguf: uint8 blocks")
+        if self._lib.tm_qpack_gguf(part.qtype, blocks.data_ptr(), blocks.shape[1],
+                                   blocks.shape[0], k, at) == -2:
             raise ValueError("GGUF weight has a float16 scale that is inf or NaN")
 
     def _code_writer(self, q, codes, d, m, ks, q6, k):
@@ -138,9 +142,11 @@ class QuantCalls:
         return lambda at: self._lib.tm_qpack(q, codes.data_ptr(), d.data_ptr(), m.data_ptr(),
                                              n, k, at)
 
-    def _pack_runs(self, specs: list[tuple], k: int, bias) -> PackedLinear:
+    def _pack_runs(self, specs: list[tuple], k: int, bias, key: str | None = None
+                   ) -> PackedLinear:
         """Parts (quant, rows, write(at)) packed one after another into one weight; adjacent
-        parts of one form make one run of rows (tm_linear.runs)."""
+        parts of one form make one run of rows (tm_linear.runs). With `key` (what the bytes
+        follow from) an open packed cache gives the memory, and maybe the bytes already."""
         runs: list[tuple[int, int]] = []  # (quant, end row)
         row = size = 0
         for q, n, _ in specs:
@@ -151,10 +157,12 @@ class QuantCalls:
             else:
                 runs.append((q, row))
         _check(len(runs) <= MAX_RUNS, f"qpack: at most {MAX_RUNS} runs of one quant code")
-        packed = ARENA.empty(size, torch.uint8)
+        cache = packed_cache.current() if key is not None else None
+        packed, filled = (cache and cache.take(key, size)) or (ARENA.empty(size, torch.uint8),
+                                                               False)
         self._sync_threads()
         at = packed.data_ptr()
-        for q, n, write in specs:
+        for q, n, write in specs if not filled else ():
             write(at)
             at += self._lib.tm_qpacked_bytes(q, n, k)
         b = None if bias is None else bias.detach().float().contiguous()

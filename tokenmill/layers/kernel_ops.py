@@ -91,8 +91,7 @@ class KernelOps(TorchOps):
         if any(p.shape[0] % QUANT_GROUP for p in parts[:-1]) or len(parts) > MAX_RUNS:
             parts = [BlockQuant.cat(parts)]
         if all(isinstance(p, GGUFMatrix) for p in parts):  # from the file's blocks
-            return self.lib.qpack_gguf_parts([(p.qtype, p.blocks) for p in parts],
-                                             parts[0].shape[1])
+            return self.lib.qpack_gguf_parts(parts, parts[0].shape[1])
         parts = [p.block_quant() for p in parts]
         return self.lib.qpack_parts([(p.codes, p.d, p.m, p.ks, p.q6) for p in parts],
                                     [p.bits for p in parts])

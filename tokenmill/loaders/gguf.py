@@ -14,6 +14,7 @@ match llama.cpp/transformers closely.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import warnings
 from collections.abc import Iterator
@@ -166,7 +167,7 @@ def gguf_weights(reader: GGUFFile, cfg: ModelConfig, keep_quantized: bool = Fals
             continue
         name = hf_name(t.name, family)
         if keep_quantized and len(t.shape) == 2 and t.tensor_type in NATIVE_TYPES:
-            tensor = GGUFMatrix.from_file(t.data, t.tensor_type, int(t.shape[0]))
+            tensor = GGUFMatrix.from_file(t.data, t.tensor_type, int(t.shape[0]), t.data_offset)
         elif dtype == torch.bfloat16 and len(t.shape) == 2 and t.tensor_type == _Q.BF16:
             tensor = bf16_matrix(t.data)
         else:
@@ -197,5 +198,20 @@ def load_gguf(path: str, dtype: str, device: torch.device,
             and cfg.torch_dtype != "float32")
     torch_dtype = torch.bfloat16 if keep else resolve_dtype(dtype, cfg.torch_dtype, device)
     model = build_model(cfg, torch_dtype, device, max_positions or cfg.max_position_embeddings)
-    model.load_weights(gguf_weights(reader, cfg, keep, torch_dtype))
+    with _packed_cache(path, keep):
+        model.load_weights(gguf_weights(reader, cfg, keep, torch_dtype))
     return model, cfg, torch_dtype
+
+
+def _packed_cache(path: str, keep: bool):
+    """The kernels' cache of this file's packed matrices (kernels/packed_cache.py), where they
+    stay quantized."""
+    from tokenmill.distributed import group as tp
+    from tokenmill.kernels import packed_cache
+    from tokenmill.layers import ops
+
+    lib = getattr(ops.current(), "lib", None)
+    if not keep or lib is None:
+        return contextlib.nullcontext()
+    group = tp.current()
+    return packed_cache.loading(path, lib, (group.rank, group.size) if group else (0, 1))

@@ -27,6 +27,7 @@ those.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 
 import numpy as np
@@ -191,35 +192,55 @@ def _half(t: np.ndarray) -> torch.Tensor:
 
 
 class GGUFMatrix(QuantWeight):
-    """A GGUF weight matrix of a native type kept as its file's blocks: `blocks` (rows, bytes a
-    row) uint8, a view of the mapped file (a copy once rows are selected or reordered). The
-    kernels pack it from these bytes (tm_qpack_gguf: the packed form its BlockQuant would
-    give, without writing a byte a weight of codes first); block_quant() converts it for every
-    other use (the reference ops, column shards, parts stacked into one form)."""
+    """A GGUF weight matrix of a native type kept as its file's blocks: `file_blocks` (rows, bytes
+    a row) uint8, a view of the mapped file, and the rows it takes from them in its own order
+    (`order`: None for all, as stored; row selections and reorderings only change it). The
+    kernels pack it from the blocks (tm_qpack_gguf: the packed form its BlockQuant would give,
+    without writing a byte a weight of codes first); block_quant() converts it for every other
+    use (the reference ops, column shards, parts stacked into one form)."""
 
-    def __init__(self, qtype: int, blocks: torch.Tensor, cols: int) -> None:
+    def __init__(self, qtype: int, file_blocks: torch.Tensor, cols: int,
+                 order: torch.Tensor | None = None, source: int | None = None) -> None:
         size, bits = _SIMPLE.get(qtype) or _K[qtype]
         per_block = 32 if qtype in _SIMPLE else 256
-        if blocks.dim() != 2 or cols % per_block or blocks.shape[1] != cols // per_block * size:
+        if (file_blocks.dim() != 2 or cols % per_block
+                or file_blocks.shape[1] != cols // per_block * size):
             raise ValueError(f"GGUF {Q(qtype).name} matrix of {cols} columns: "
-                             f"{tuple(blocks.shape)} bytes")
-        self.qtype, self.blocks, self.cols, self.bits = qtype, blocks, cols, bits
+                             f"{tuple(file_blocks.shape)} bytes")
+        self.qtype, self.file_blocks, self.cols, self.bits = qtype, file_blocks, cols, bits
+        self.order = order
+        self.source = source  # where its tensor's bytes start in the file (identity())
 
     @classmethod
-    def from_file(cls, data: np.ndarray, qtype: int, cols: int) -> GGUFMatrix:
+    def from_file(cls, data: np.ndarray, qtype: int, cols: int,
+                  source: int | None = None) -> GGUFMatrix:
         with warnings.catch_warnings():  # a read-only view of the file: only read
             warnings.simplefilter("ignore", UserWarning)
-            return cls(qtype, torch.from_numpy(np.asarray(data)), cols)
+            return cls(qtype, torch.from_numpy(np.asarray(data)), cols, source=source)
+
+    @property
+    def blocks(self) -> torch.Tensor:
+        """(rows, bytes a row) in this matrix's row order: the file's view, or a copy."""
+        return self.file_blocks if self.order is None else self.file_blocks[self.order]
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.blocks.shape[0], self.cols
+        rows = self.file_blocks.shape[0] if self.order is None else self.order.shape[0]
+        return rows, self.cols
+
+    def identity(self) -> tuple:
+        """What its packed bytes follow from, within its file: type, tensor, rows taken."""
+        order = None if self.order is None else hashlib.sha256(
+            self.order.to(torch.int64).numpy().tobytes()).hexdigest()[:16]
+        return self.qtype, self.source, self.cols, self.shape[0], order
 
     def block_quant(self) -> BlockQuant:
         return to_block_quant(self.blocks.numpy(), self.qtype, *self.shape)
 
     def map_rows(self, fn) -> GGUFMatrix:
-        return GGUFMatrix(self.qtype, fn(self.blocks), self.cols)
+        """fn applied to the rows (a selection or permutation), as to the row indices."""
+        order = torch.arange(self.file_blocks.shape[0]) if self.order is None else self.order
+        return GGUFMatrix(self.qtype, self.file_blocks, self.cols, fn(order), self.source)
 
     def rows(self, index) -> GGUFMatrix:
         return self.map_rows(lambda t: t[index])
