@@ -15,7 +15,8 @@ On a virtual machine that backs fresh memory at ~0.45 GB/s (docs/performance.md,
 milliseconds. The file's pages must map as 2 MiB pages for decode to read them as fast as the
 arena's (kernels/weight_arena.py): the file system must cache them in large folios (ext4 and xfs
 on recent kernels), which a probe checks once a process; else nothing is cached.
-TOKENMILL_PACKED_CACHE=0 turns the cache off; deleting the folder is always safe.
+TOKENMILL_PACKED_CACHE=0 turns the cache off (so does TOKENMILL_HUGE_PAGES=0); deleting the
+folder is always safe.
 """
 
 from __future__ import annotations
@@ -57,7 +58,11 @@ def loading(model_file: str, lib, rank: tuple[int, int] = (0, 1)):
 
 
 def enabled(model_file: str) -> bool:
-    return (os.environ.get("TOKENMILL_PACKED_CACHE", "1") != "0"
+    """On unless TOKENMILL_PACKED_CACHE=0, or the weights are not in huge pages at all
+    (TOKENMILL_HUGE_PAGES=0)."""
+    from tokenmill.kernels import weight_arena
+
+    return (os.environ.get("TOKENMILL_PACKED_CACHE", "1") != "0" and weight_arena.enabled()
             and os.path.getsize(model_file) >= MIN_FILE_BYTES and _large_folios())
 
 
