@@ -96,6 +96,26 @@ def test_a_cache_that_does_not_match_is_not_used(tmp_path, caches):
     assert torch.equal(logits(path), expected) and not caches[2].hit
 
 
+def test_a_load_that_fails_leaves_no_cache(tmp_path, caches, monkeypatch):
+    from tokenmill.models.llama import LlamaForCausalLM
+
+    path = model_file(tmp_path / "m.gguf")
+    loaded = LlamaForCausalLM.load_weights
+
+    def fail_midway(self, weights):
+        def some():
+            for i, item in enumerate(weights):
+                if i == 12:
+                    raise ValueError("a bad tensor")
+                yield item
+        loaded(self, some())
+
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights", fail_midway)
+    with pytest.raises(ValueError, match="a bad tensor"):
+        logits(path)
+    assert caches[0].entries and list(packed_cache.folder().iterdir()) == []
+
+
 def test_without_a_writable_folder_it_packs(tmp_path, caches, monkeypatch):
     path = model_file(tmp_path / "m.gguf")
     (tmp_path / "home").write_text("a file where the folder would be")

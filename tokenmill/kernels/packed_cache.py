@@ -48,13 +48,14 @@ def current() -> PackedCache | None:
 def loading(model_file: str, lib, rank: tuple[int, int] = (0, 1)):
     """Packs of `lib` for the model in `model_file` go through its cache while this is open."""
     cache = PackedCache.open(model_file, lib, rank) if enabled(model_file) else None
-    token = _current.set(cache)
+    token, complete = _current.set(cache), False
     try:
         yield cache
+        complete = True
     finally:
         _current.reset(token)
         if cache is not None:
-            cache.close()
+            cache.close(complete)
 
 
 def enabled(model_file: str) -> bool:
@@ -153,14 +154,15 @@ class PackedCache:
         self._end = offset + nbytes
         return self._whole[offset:offset + nbytes], False
 
-    def close(self) -> None:
+    def close(self, complete: bool = True) -> None:
         """After a load that packed: the data file cut to what it holds and put in place, then
-        its index (a later load takes the cache only once the index exists)."""
+        its index (a later load takes the cache only once the index exists); nothing is kept
+        of a load that did not complete."""
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
         try:
-            if self.broken or not self.entries:
+            if self.broken or not self.entries or not complete:
                 self._tmp.unlink(missing_ok=True)
                 return
             os.ftruncate(fd, self._end)  # nothing past it is ever read
