@@ -94,6 +94,8 @@ def test_a_cache_that_does_not_match_is_not_used(tmp_path, caches):
     data = next(packed_cache.folder().glob("*.bin"))
     os.truncate(data, 4096)  # shorter than its index says: not a hit
     assert torch.equal(logits(path), expected) and not caches[2].hit
+    index.write_text(json.dumps({"entries": [["a", -1, 5]]}))  # nonsense: not a hit
+    assert torch.equal(logits(path), expected) and not caches[3].hit
 
 
 def test_a_load_that_fails_leaves_no_cache(tmp_path, caches, monkeypatch):

@@ -106,8 +106,11 @@ class PackedCache:
             return False
         try:
             size = os.fstat(fd).st_size
-            if not entries or size < max(e[1] + e[2] for e in entries):
-                return False
+            if not (isinstance(entries, list) and entries and all(
+                    isinstance(e, list) and len(e) == 3 and isinstance(e[0], str)
+                    and all(isinstance(v, int) and v >= 0 for v in e[1:]) for e in entries)
+                    and size >= max(e[1] + e[2] for e in entries)):
+                return False  # not an index this code wrote, or a file cut short
             self._mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE,
                                       prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
@@ -176,7 +179,6 @@ class PackedCache:
             self._tmp.unlink(missing_ok=True)
         finally:
             os.close(fd)
-
 
     def _drop_older(self) -> None:
         """Remove the caches of the same model file and rank under other keys (an older
