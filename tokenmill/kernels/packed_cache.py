@@ -26,11 +26,14 @@ import contextvars
 import functools
 import hashlib
 import json
+import logging
 import mmap
 import os
 from pathlib import Path
 
 import torch
+
+logger = logging.getLogger("tokenmill")
 
 MIN_FILE_BYTES = 256 << 20  # smaller files pack in well under a second
 ALIGN = 64  # bytes: every tensor starts on a cache line, as in the arena
@@ -119,6 +122,7 @@ class PackedCache:
         self._mapping.madvise(MADV_POPULATE_READ)
         self._whole = torch.frombuffer(self._mapping, dtype=torch.uint8)
         self.entries, self.hit = entries, True
+        logger.info("packed weights mapped from %s", self.data)
         return True
 
     def _create(self, reserve: int) -> None:
@@ -175,6 +179,9 @@ class PackedCache:
                                        "entries": self.entries}))
             os.replace(tmp, self.index)
             self._drop_older()
+            logger.info("packed weights of %s kept in %s (%.0f MiB): later loads map them "
+                        "(TOKENMILL_PACKED_CACHE=0: off)", self.model[0], self.data,
+                        self._end / 2**20)
         except OSError:
             self._tmp.unlink(missing_ok=True)
         finally:
