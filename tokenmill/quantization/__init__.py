@@ -8,7 +8,9 @@ one kernel runs them all: kernels/csrc/quant.cpp). The methods:
 - GGUF blocks (gguf_blocks.py), kept from the file: Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K and
   Q5_K exactly (the K formats' integer scales kept as ks), Q6_K exactly as q6 (its 6-bit codes
   and scale per 16 weights, which the kernels pack as they are) and, for every other use, with
-  one of its two sub-block scales per 32 weights requantized (gguf_blocks.py states the error);
+  one of its two sub-block scales per 32 weights requantized (gguf_blocks.py states the error).
+  The loader hands each matrix over as a GGUFMatrix (QuantWeight): the file's blocks, which the
+  kernels pack directly (kernels/csrc/quant_gguf.cpp), converted to BlockQuant only on demand;
 - on the fly from float weights (rtn.py): "int8" (per output channel, symmetric) and "int4"
   (groups of 32 or 128, asymmetric), round to nearest.
 """
