@@ -118,6 +118,19 @@ def test_a_load_that_fails_leaves_no_cache(tmp_path, caches, monkeypatch):
     assert caches[0].entries and list(packed_cache.folder().iterdir()) == []
 
 
+def test_no_cache_that_would_fill_the_disk(tmp_path, caches, monkeypatch):
+    import shutil
+
+    path = model_file(tmp_path / "m.gguf")
+    usage = shutil.disk_usage(tmp_path)
+    full = usage._replace(free=(1 << 30) + os.path.getsize(path))  # 1 GiB left after it
+    monkeypatch.setattr(shutil, "disk_usage", lambda where: full._replace(total=1 << 40))
+    expected = logits(path)
+    assert caches[0].broken and list(packed_cache.folder().iterdir()) == []
+    monkeypatch.setattr(shutil, "disk_usage", lambda where: full._replace(total=1 << 30))
+    assert torch.equal(logits(path), expected) and not caches[1].broken
+
+
 def test_without_a_writable_folder_it_packs(tmp_path, caches, monkeypatch):
     path = model_file(tmp_path / "m.gguf")
     (tmp_path / "home").write_text("a file where the folder would be")

@@ -15,6 +15,7 @@ On a virtual machine that backs fresh memory at ~0.45 GB/s (docs/performance.md,
 milliseconds. The file's pages must map as 2 MiB pages for decode to read them as fast as the
 arena's (kernels/weight_arena.py): the file system must cache them in large folios (ext4 and xfs
 on recent kernels), which a probe checks once a process; else nothing is cached.
+No cache is written where it would leave less than 1 GiB or 5% of the disk free.
 TOKENMILL_PACKED_CACHE=0 turns the cache off (so does TOKENMILL_HUGE_PAGES=0); deleting the
 folder is always safe.
 """
@@ -29,6 +30,7 @@ import json
 import logging
 import mmap
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -94,8 +96,10 @@ class PackedCache:
         try:
             # packed weights take at most ~3% more than the file's (4.625 bits a weight for
             # Q4_K's 4.5): reserve more, unwritten (a sparse file costs nothing)
-            if not cache._map():
+            if not cache._map() and _room_for(st.st_size):
                 cache._create(st.st_size + st.st_size // 8 + (64 << 20))
+            elif not cache.hit:
+                cache.broken = True
         except OSError:  # a read-only or full disk: pack as if there were no cache
             cache.broken = True
         return cache
@@ -210,6 +214,14 @@ def _drop_abandoned(where: Path) -> None:
             tmp.unlink(missing_ok=True)
         except OSError:  # another user's process: alive
             continue
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether the disk keeps at least 1 GiB and 5% of its size free once nbytes more are
+    written (a cache must not be what fills it)."""
+    folder().mkdir(parents=True, exist_ok=True)
+    usage = shutil.disk_usage(folder())
+    return usage.free - nbytes >= max(1 << 30, usage.total // 20)
 
 
 def folder() -> Path:
