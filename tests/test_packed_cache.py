@@ -13,13 +13,9 @@ from gguf import GGMLQuantizationType as Q
 
 from tests.gguf_util import write_gguf
 from tests.test_gguf_loader import IDS, tiny
+from tests.test_quantized_models import pytestmark  # noqa: F401  (the same skip)
 from tokenmill import LLM
 from tokenmill.kernels import packed_cache
-from tokenmill.layers import ops
-
-pytestmark = pytest.mark.skipif(
-    not (ops.available() and ops.select(True, torch.device("cpu")).quantized_kernels),
-    reason="the kernels here have no fast quantized path (quantized files are dequantized)")
 
 MIX = {"token_embd.weight": Q.Q8_0, "output.weight": Q.Q6_K, "attn_q.weight": Q.Q4_K,
        "attn_k.weight": Q.Q5_K, "attn_v.weight": Q.Q6_K, "attn_output.weight": Q.Q4_0,

@@ -102,17 +102,16 @@ class QuantCalls:
         for i, part in enumerate(parts):
             q = self._lib.tm_gguf_quant(part.qtype)
             n, row_bytes = part.shape[0], part.file_blocks.shape[1]
-            _check(q >= 0 and part.shape[1] == k
+            _check(q >= 0 and part.shape[1] == k and part.file_blocks.dtype == torch.uint8
                    and self._lib.tm_qpack_gguf(part.qtype, None, row_bytes, 0, k, None) == 0
                    and (i == len(parts) - 1 or n % QUANT_GROUP == 0),
                    f"qpack_gguf: GGUF type {part.qtype} blocks of {k} columns in {row_bytes} "
-                   f"bytes a row (parts but the last in whole groups of {QUANT_GROUP} rows)")
+                   f"uint8 bytes a row (parts but the last in whole groups of {QUANT_GROUP} rows)")
             specs.append((q, n, functools.partial(self._gguf_write, part, k)))
         return self._pack_runs(specs, k, None, repr([k, *(p.identity() for p in parts)]))
 
     def _gguf_write(self, part, k: int, at: int) -> None:
         blocks = part.blocks.contiguous()
-        _check(blocks.dtype == torch.uint8, "qpack_gguf: uint8 blocks")
         if self._lib.tm_qpack_gguf(part.qtype, blocks.data_ptr(), blocks.shape[1],
                                    blocks.shape[0], k, at) == -2:
             raise ValueError("GGUF weight has a float16 scale that is inf or NaN")
