@@ -26,6 +26,9 @@ torch.set_num_threads(int(os.environ.get("TOKENMILL_TEST_THREADS", "1")))
 # shapes (the planners have their own tests).
 os.environ.setdefault("TOKENMILL_GEMM", "packed")
 os.environ.setdefault("TOKENMILL_PREFILL_ATTENTION", "kernel")
+# Q6_K GEMMs widen their codes from 16 rows (AVX2 tiles) without a first-start measurement: the
+# same bits either way (test_q6_widen.py)
+os.environ.setdefault("TOKENMILL_Q6_WIDEN_ROWS", "16")
 EOS = "<|endoftext|>"
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

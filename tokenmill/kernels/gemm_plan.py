@@ -111,6 +111,16 @@ class GemmPlanner:
         from tokenmill.kernels import stream_prefetch  # (it reads and writes tables as here)
 
         stream_prefetch.choose(lib, self.machine, self.path.with_name("stream_prefetch.json"))
+        self._q6_widen_chosen = False
+
+    def choose_q6_widen(self) -> None:
+        """Once, when the first Q6_K weight is packed: from how many rows its GEMMs widen the
+        codes (kernels/q6_widen.py; a measurement at the machine's first start)."""
+        if not self._q6_widen_chosen:
+            from tokenmill.kernels import q6_widen
+
+            self._q6_widen_chosen = True
+            q6_widen.choose(self.lib, self.machine, self.path.with_name("q6_widen.json"))
 
     @staticmethod
     @functools.cache

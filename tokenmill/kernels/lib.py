@@ -29,7 +29,7 @@ from tokenmill.kernels.weight_arena import ARENA
 
 MAX_LATENT_DIM = 1024  # DeepSeek V3's latent: 512 + 64
 
-ABI_VERSION = 24
+ABI_VERSION = 25
 _P, _I = c_void_p, c_int64
 
 
@@ -73,6 +73,8 @@ _SIGNATURES = {
     "tm_unpack_weight": (c_int, [c_int, _P, _I, _I, _P, _I, _P]),
     "tm_linear_fwd": (None, [c_int, _P, _I, POINTER(Linear), c_int, _P, _P, _I]),
     "tm_quant_fast": (c_int, []),
+    "tm_set_q6_widen_rows": (None, [c_int64]),
+    "tm_q6_widens": (c_int, []),
     "tm_qpacked_bytes": (_I, [c_int, _I, _I]),
     "tm_qpack": (None, [c_int, _P, _P, _P, _I, _I, _P]),
     "tm_qpack_super": (None, [c_int, _P, _P, _P, _P, _P, _I, _I, _P]),
@@ -136,6 +138,17 @@ class KernelLib(KVPageCalls, ElementwiseCalls, QuantCalls):
         non-temporally (nta) or into L2 (the default); the same results either way
         (kernels/stream_prefetch.py chooses)."""
         self._lib.tm_set_stream_prefetch(int(nta))
+
+    @property
+    def q6_widens(self) -> bool:
+        """Whether this build widens Q6_K groups for calls of many rows (the AVX2 tiles)."""
+        return bool(self._lib.tm_q6_widens())
+
+    def set_q6_widen_rows(self, rows: int) -> None:
+        """From how many input rows of a call's 64-row chunk a Q6_K group is widened to a byte a
+        code once, instead of unpacked in every row tile; the same results either way
+        (kernels/q6_widen.py chooses)."""
+        self._lib.tm_set_q6_widen_rows(rows)
 
     # ---- GEMM -------------------------------------------------------------------------------
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None = None,

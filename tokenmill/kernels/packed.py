@@ -47,6 +47,7 @@ class PackedLinear:
         # block-quantized rows in runs of their own quant code: (quant, end row) each, in
         # order (quant: the widest run's); None: all rows `quant`
         self.runs = runs
+        self.has_q6 = any(q & 15 == 6 for q, _ in runs or [(quant, n)])  # Q6_K rows (TM_QI6)
         self.struct = Linear(packed.data_ptr(), _ptr(bias), n, k, quant, 0, int(gated))
         if runs:
             self.struct.runs = len(runs)

@@ -91,10 +91,14 @@ class KernelOps(TorchOps):
         if any(p.shape[0] % QUANT_GROUP for p in parts[:-1]) or len(parts) > MAX_RUNS:
             parts = [BlockQuant.cat(parts)]
         if all(isinstance(p, GGUFMatrix) for p in parts):  # from the file's blocks
-            return self.lib.qpack_gguf_parts(parts, parts[0].shape[1])
-        parts = [p.block_quant() for p in parts]
-        return self.lib.qpack_parts([(p.codes, p.d, p.m, p.ks, p.q6) for p in parts],
-                                    [p.bits for p in parts])
+            packed = self.lib.qpack_gguf_parts(parts, parts[0].shape[1])
+        else:
+            parts = [p.block_quant() for p in parts]
+            packed = self.lib.qpack_parts([(p.codes, p.d, p.m, p.ks, p.q6) for p in parts],
+                                          [p.bits for p in parts])
+        if packed.has_q6:
+            self.planner.choose_q6_widen()
+        return packed
 
     def dequantize(self, q, rows=None):
         return self.lib.qdequantize(q, rows)

@@ -9,6 +9,7 @@
 namespace tm {
 int g_threads = 1;
 int g_stream_nta = 0;
+int64_t g_q6_widen_rows = 32;
 }
 
 extern "C" {
@@ -18,5 +19,6 @@ const char* tm_isa(void) { return tm::kIsa; }
 const char* tm_source_hash(void) { return TM_SOURCE_HASH; }
 void tm_set_num_threads(int threads) { tm::g_threads = threads > 0 ? threads : 1; }
 void tm_set_stream_prefetch(int nta) { tm::g_stream_nta = nta != 0; }
+void tm_set_q6_widen_rows(int64_t rows) { tm::g_q6_widen_rows = rows > 1 ? rows : 1; }
 
 }  // extern "C"

@@ -91,6 +91,9 @@ extern int g_threads;
 // once) non-temporally instead of into L2; set from Python where that measured faster
 // (kernels/stream_prefetch.py)
 extern int g_stream_nta;
+// Q6_K calls on the AVX2 tiles widen each group once per row chunk of at least this many rows
+// (tm_set_q6_widen_rows; kernels/q6_widen.py chooses by measurement)
+extern int64_t g_q6_widen_rows;
 
 // f(begin, end) on contiguous slices of [begin, end), one per thread, at least `grain` items
 // each (at::parallel_for's split); inline when the range is small or already inside a

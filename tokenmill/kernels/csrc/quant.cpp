@@ -124,13 +124,13 @@ void qgemm(const int8_t* xq, const float* dx, const float* sx, int64_t m, const 
   parallel_for(0, groups, 2, [&](int64_t g0, int64_t g1) {
     float y[2 * kRowTile][kGroup];
     thread_local std::vector<uint8_t> wide;  // a 6-bit group widened (widen_q6: AVX2)
-    if (kWidenQ6 && qbits(Q) == 6 && m >= kWidenRows) wide.resize(group_stride(kQ6Wide, K));
+    if (kWidenQ6 && qbits(Q) == 6 && m >= g_q6_widen_rows) wide.resize(group_stride(kQ6Wide, K));
     for (int64_t i0 = 0; i0 < m; i0 += kRowChunk) {  // input rows stay in cache across groups
       const int64_t i1 = std::min(m, i0 + kRowChunk);
       for (int64_t g = g0; g < g1;) {
         // two groups at once where a row's broadcast feeds both (VNNI), in tiles of fewer rows
         const bool pair = kGroupPairs && g + 1 < g1;
-        const bool widen = kWidenQ6 && qbits(Q) == 6 && i1 - i0 >= kWidenRows;
+        const bool widen = kWidenQ6 && qbits(Q) == 6 && i1 - i0 >= g_q6_widen_rows;
         if (widen) widen_q6(wq + g * gstride, K, wide.data());  // once for the row chunk
         const int64_t tile_rows = w->row_invariant ? 1 : pair ? kPairRows : kRowTile;
         for (int64_t i = i0; i < i1; i += tile_rows) {
@@ -275,5 +275,6 @@ void quant_linear(int dtype, const void* x, int64_t m, const tm_linear* w, int o
 extern "C" {
 
 int tm_quant_fast(void) { return tm::kFastQuant; }
+int tm_q6_widens(void) { return tm::kWidenQ6; }
 
 }  // extern "C"

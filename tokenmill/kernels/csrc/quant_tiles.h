@@ -8,7 +8,6 @@
 namespace tm {
 
 constexpr int64_t kRowTile = 8, kRowChunk = 64;
-constexpr int64_t kWidenRows = 32;  // from this many rows of a row chunk (measured: 16 rows ran 0.8x)
 
 // The block at `pf` (the next group's, or null) into L2: a thread's groups are consecutive in
 // memory, so the tile's arithmetic overlaps the next group's read (without it a 16-row decode

@@ -23,7 +23,7 @@ enum { TM_F32 = 0, TM_BF16 = 1 };
  * Q6_K, k a multiple of 256): w = sc D (code - 32), 6-bit codes, an int8 sc per 16 k and a
  * float16 D per 256 k */
 enum { TM_QI4 = 4, TM_QI5 = 5, TM_QI6 = 6, TM_QI8 = 8, TM_QSYM = 16, TM_QSUPER = 32 };
-#define TM_ABI_VERSION 24
+#define TM_ABI_VERSION 25
 #define TM_MAX_RUNS 4
 
 /* A linear layer's (n, k) weight: with quant 0, in this build's packed layout (tm_pack_weight,
@@ -130,6 +130,12 @@ TM_API int tm_unpack_weight(int dtype, const void* packed, int64_t n, int64_t k,
  * -1 (nothing written) when a row index is outside [0, n). tm_quant_fast: 1 when this build
  * has the integer dot-product kernel (else a portable loop runs). */
 TM_API int tm_quant_fast(void);
+/* Q6_K weights (TM_QI6 | TM_QSUPER) on the AVX2 tiles: a call's chunk of at least `rows` input
+ * rows (default 32; at most 64 a chunk) widens each group to a byte a code once instead of
+ * unpacking the codes in every row tile; the same results either way. tm_q6_widens: 1 when
+ * this build widens (the AVX2 tiles), else 0 and the setting is not read */
+TM_API void tm_set_q6_widen_rows(int64_t rows);
+TM_API int tm_q6_widens(void);
 TM_API int64_t tm_qpacked_bytes(int quant, int64_t n, int64_t k);
 TM_API void tm_qpack(int quant, const uint8_t* codes, const uint16_t* d, const uint16_t* m,
                      int64_t n, int64_t k, uint8_t* out);
