@@ -3,7 +3,8 @@ codes, an int8 scale per 16 weights: what the engine packs) and as its 8-bit con
 codes, one scale per 32: what stop 66 packed). The two alternate in every repetition, each
 cycling through copies of its weight that together exceed the last-level cache (decode streams
 its weights from memory), so the machine's swings in bandwidth hit both alike. The codes are
-random: the arithmetic does not depend on their values.
+random: the arithmetic does not depend on their values. On the AVX2 tiles 6-bit calls widen
+their codes from the row count the engine chose for this machine (kernels/q6_widen.py).
 
     python benchmarks/q6k_gemm.py [--shapes 11008x4096,5632x2048] [--rows 1,4,16,64,512]
         [--isa avx2] [--repeats 9]
@@ -49,6 +50,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9)
     args = ap.parse_args()
     lib = load_cpu_kernels(args.isa)
+    from tokenmill.kernels.gemm_plan import GemmPlanner
+    widen = GemmPlanner.for_lib(lib).choose_q6_widen()  # as the engine runs (AVX2 tiles)
     torch.manual_seed(0)
     rows_out = []
     for shape in args.shapes.split(","):
@@ -71,8 +74,10 @@ def main() -> None:
                              "6-bit ms": ms["6-bit"], "speed 6/8": ms["8-bit"] / ms["6-bit"]})
     info = machine()
     info["kernels"] = lib.isa
+    info["q6_widen_rows"] = widen
     print(f"{info['cpu']}, kernels {lib.isa}, {info['threads']} threads; median of "
-          f"{args.repeats}, forms alternating")
+          f"{args.repeats}, forms alternating"
+          + (f"; 6-bit codes widened from {widen} rows" if widen else ""))
     print_table(rows_out, ["shape", "rows", "8-bit ms", "6-bit ms", "speed 6/8"])
     emit_json({"benchmark": "q6k_gemm", **info, "results": rows_out})
 

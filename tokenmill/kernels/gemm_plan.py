@@ -111,16 +111,18 @@ class GemmPlanner:
         from tokenmill.kernels import stream_prefetch  # (it reads and writes tables as here)
 
         stream_prefetch.choose(lib, self.machine, self.path.with_name("stream_prefetch.json"))
-        self._q6_widen_chosen = False
+        self._q6_widen: tuple[int | None] | None = None
 
-    def choose_q6_widen(self) -> None:
+    def choose_q6_widen(self) -> int | None:
         """Once, when the first Q6_K weight is packed: from how many rows its GEMMs widen the
-        codes (kernels/q6_widen.py; a measurement at the machine's first start)."""
-        if not self._q6_widen_chosen:
+        codes (kernels/q6_widen.py; a measurement at the machine's first start). None where the
+        build does not widen."""
+        if self._q6_widen is None:
             from tokenmill.kernels import q6_widen
 
-            self._q6_widen_chosen = True
-            q6_widen.choose(self.lib, self.machine, self.path.with_name("q6_widen.json"))
+            self._q6_widen = (q6_widen.choose(self.lib, self.machine,
+                                              self.path.with_name("q6_widen.json")),)
+        return self._q6_widen[0]
 
     @staticmethod
     @functools.cache
