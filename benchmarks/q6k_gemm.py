@@ -30,14 +30,13 @@ COPIES_BYTES = 96 << 20  # per form: more than the L3 of the machines measured (
 
 def packed(lib, n: int, k: int, exact: bool):
     """A random (n, k) Q6_K weight, packed as it is (exact) or as its 8-bit conversion."""
+    from tokenmill.kernels.q6_widen import q6_weight
+
+    if exact:
+        return q6_weight(lib, n, k)
     d = (torch.rand(n, k // 32) * 1e-2).half()
-    if not exact:
-        codes = torch.randint(0, 256, (n, k), dtype=torch.uint8)
-        return lib.qpack_parts([(codes, d, d * -128)], 8)
-    q6 = (torch.randint(0, 64, (n, k), dtype=torch.uint8),
-          torch.randint(-128, 128, (n, k // 16), dtype=torch.int8),
-          (torch.rand(n, k // 256) * 1e-3).half())
-    return lib.qpack_parts([(torch.zeros(n, k, dtype=torch.uint8), d, d * -128, None, q6)], 8)
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8)
+    return lib.qpack_parts([(codes, d, d * -128)], 8)
 
 
 def main() -> None:
