@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFWriter
 from gguf.constants import GGML_QUANT_SIZES
-from gguf.quants import quantize
+from gguf.quants import dequantize, quantize
 
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -60,13 +60,22 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator,
 
 def encode(values: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
     if qtype in _K_SCALES:  # gguf-py cannot quantize K types: use random valid blocks
-        # Q6_K's D ten times smaller in a model: its int8 scales and 6-bit codes multiply to
-        # ~64x the 4-bit formats' products, and with their D its weights ran near 1 (a tiny
-        # model whose v was Q6_K then moved its logits 8.6% with int8 activations on the AVX2
-        # build, though each GEMM stayed within 0.8% of the float64 product)
-        scales = (1e-5, 2e-4) if qtype == Q.Q6_K else (1e-4, 2e-3)
-        return random_blocks(qtype, values.shape[0], values.shape[1], rng, scales)
+        return random_blocks_like(values, qtype, rng)
     return quantize(values.astype(np.float32), qtype)
+
+
+def random_blocks_like(values: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random valid K-quant blocks whose dequantized weights spread as `values` do. With fixed
+    scale ranges the K types' weights ran 7-15x the model's own (Q4_K's 6-bit scales times 4-bit
+    codes reached ~1 against ~0.02), and a tiny random model compounded that into logit errors
+    that depended on each build's roundings (the scalar build moved one test's logits 9.4%)."""
+    data = random_blocks(qtype, values.shape[0], values.shape[1], rng)
+    factor = float(values.std()) / float(dequantize(data, qtype).std())
+    block = data.reshape(values.shape[0], -1, GGML_QUANT_SIZES[qtype][1])
+    for offset in _K_SCALES[qtype]:  # the fp16 super-block scales (d, and dmin where there is one)
+        scale = block[:, :, offset:offset + 2].copy().view(np.float16)
+        block[:, :, offset:offset + 2] = (scale * factor).astype(np.float16).view(np.uint8)
+    return data
 
 
 def write_gguf(path: Path, arch: str, cfg, state: dict[str, torch.Tensor],
