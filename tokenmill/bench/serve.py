@@ -78,8 +78,11 @@ async def _benchmark(args, requests) -> int:
     key = args.api_key or os.environ.get("TOKENMILL_API_KEY") or os.environ.get("OPENAI_API_KEY")
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     url = base + args.endpoint
+    # a connection per request: reusing kept-alive ones, llama-server dropped ~1 request in 64
+    # unread ("Server disconnected without sending a response"; 4 of 5 cold runs on a Zen 2,
+    # none of 3 with this), at the same throughput
     limits = httpx.Limits(max_connections=args.max_concurrency or len(requests),
-                          max_keepalive_connections=args.max_concurrency or len(requests))
+                          max_keepalive_connections=0)
     async with httpx.AsyncClient(timeout=args.timeout, limits=limits) as client:
         try:
             model = args.model or await _first_model(client, base, headers)
